@@ -1,0 +1,62 @@
+"""The engine configuration: one frozen dataclass, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specfork.errors import SpecforkError
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """Everything that decides how an engine is built.
+
+    model: an alias (``smollm2-135m``), an HF model directory, or a ``.gguf`` file.
+    num_kv_blocks: KV-cache blocks of ``block_size`` tokens; None sizes the cache from
+        ``kv_cache_tokens`` (enough for that many tokens in total).
+    max_model_len: longest prompt + output; None takes the model's context length.
+    threads: torch intra-op threads on CPU; None keeps torch's default.
+    """
+
+    model: str = DEFAULT_MODEL
+    device: str = "cpu"
+    dtype: str | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_tokens: int = 65536
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 4096
+    max_model_len: int | None = None
+    threads: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise SpecforkError("model must be a non-empty string (an alias, an HF directory or a .gguf file)")
+        if self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise SpecforkError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+            raise SpecforkError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.device == "cpu" and self.dtype not in (None, "float32"):
+            raise SpecforkError(f"dtype {self.dtype} is not supported on CPU; use float32")
+        _positive("block_size", self.block_size)
+        _positive("kv_cache_tokens", self.kv_cache_tokens)
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.num_kv_blocks is not None:
+            _positive("num_kv_blocks", self.num_kv_blocks)
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+        if self.threads is not None:
+            _positive("threads", self.threads)
+
+    @property
+    def torch_dtype_name(self) -> str:
+        return self.dtype or "float32"
+
+
+def _positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise SpecforkError(f"{name} must be an integer >= 1, got {value!r}")

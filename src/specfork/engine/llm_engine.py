@@ -1,0 +1,213 @@
+"""The engine loop: requests in, scheduler → step → stop checks, outputs out."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from itertools import count
+
+import torch
+
+from specfork.config import Config
+from specfork.engine.block_manager import BlockManager
+from specfork.engine.model_runner import ModelRunner
+from specfork.engine.scheduler import Scheduler
+from specfork.engine.sequence import Sequence
+from specfork.engine.step import AutoregressiveStep, Step
+from specfork.errors import PromptError, SpecforkError
+from specfork.loading import LoadedModel, load_model
+from specfork.outputs import RequestOutput
+from specfork.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class StepUpdate:
+    """New tokens of one sequence after a step (``finished`` once it stopped)."""
+
+    seq: Sequence
+    new_token_ids: list[int]
+    finished: bool
+
+
+class LLMEngine:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        if config.threads is not None and config.device == "cpu":
+            torch.set_num_threads(config.threads)
+        if config.device.startswith("cuda") and not torch.cuda.is_available():
+            raise SpecforkError("device 'cuda' was requested but CUDA is not available")
+        self.device = torch.device(config.device)
+        dtype = _DTYPES[config.torch_dtype_name]
+        requested_len = config.max_model_len
+        self.loaded: LoadedModel = load_model(
+            config.model, device=self.device, dtype=dtype, max_positions=requested_len
+        )
+        arch = self.loaded.arch
+        if requested_len is not None and requested_len > arch.max_position_embeddings:
+            raise SpecforkError(
+                f"max_model_len {requested_len} exceeds the model's context length {arch.max_position_embeddings}"
+            )
+        num_blocks = config.num_kv_blocks or -(-config.kv_cache_tokens // config.block_size)
+        self.runner = ModelRunner(self.loaded.model, num_blocks=num_blocks, block_size=config.block_size, device=self.device)
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )
+        self.step_strategy: Step = AutoregressiveStep(self.runner)
+        capacity = num_blocks * config.block_size - self.step_strategy.lookahead
+        self.max_model_len = min(requested_len or arch.max_position_embeddings, capacity)
+        self.eos_token_ids = frozenset(arch.eos_token_ids)
+        self._ids = count()
+        logger.info(
+            "loaded %s (%s, %d layers) on %s; KV cache %d blocks x %d tokens; max_model_len %d",
+            self.loaded.location.path, arch.architecture, arch.num_layers, self.device,
+            num_blocks, config.block_size, self.max_model_len,
+        )
+
+    @property
+    def tokenizer(self):
+        return self.loaded.tokenizer
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Raw text or token ids → validated token ids."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise PromptError("prompt is empty")
+            if self.tokenizer is None:
+                raise PromptError("this model has no tokenizer; pass prompts as lists of token ids")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            if any(not isinstance(t, int) or isinstance(t, bool) for t in prompt):
+                raise PromptError("a token-id prompt must be a list of integers")
+            ids = list(prompt)
+        else:
+            raise PromptError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        self.check_prompt_ids(ids)
+        return ids
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        if self.tokenizer is None:
+            raise PromptError("this model has no tokenizer, so it cannot apply a chat template")
+        ids = self.tokenizer.apply_chat_template(messages)
+        self.check_prompt_ids(ids)
+        return ids
+
+    def check_prompt_ids(self, ids: list[int]) -> None:
+        if not ids:
+            raise PromptError("prompt is empty (it encodes to no tokens)")
+        vocab = self.loaded.arch.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise PromptError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise PromptError(
+                f"prompt has {len(ids)} tokens but the context holds {self.max_model_len} "
+                "(prompt plus at least one generated token)"
+            )
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        self.check_prompt_ids(prompt_ids)
+        seq_id = next(self._ids)
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(params.seed if params.seed is not None else self.config.seed * 1_000_003 + seq_id)
+        seq = Sequence(seq_id, prompt_ids, params, gen)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        if not seq.is_finished:
+            seq.finish_reason = "abort"
+            seq.finish_time = time.perf_counter()
+            self.scheduler.finish(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop ------------------------------------------------------------------------
+
+    def step(self) -> list[StepUpdate]:
+        batch = self.scheduler.schedule(self.step_strategy.lookahead)
+        if batch is None:
+            return []
+        produced = self.step_strategy.execute(batch)
+        now = time.perf_counter()
+        updates = []
+        for seq, tokens in produced.items():
+            accepted = self._append(seq, tokens)
+            if seq.first_token_time is None and accepted:
+                seq.first_token_time = now
+            if seq.finish_reason is not None:
+                seq.finish_time = now
+                self.scheduler.finish(seq)
+            updates.append(StepUpdate(seq, accepted, seq.finish_reason is not None))
+        return updates
+
+    def _append(self, seq: Sequence, tokens: list[int]) -> list[int]:
+        """Append tokens one by one, stopping at the first stop condition."""
+        params = seq.params
+        accepted = []
+        for tok in tokens:
+            seq.token_ids.append(tok)
+            accepted.append(tok)
+            if (tok in self.eos_token_ids and not params.ignore_eos) or tok in params.stop_token_ids:
+                seq.finish_reason = "stop"
+            elif params.stop and self._hit_stop_string(seq):
+                seq.finish_reason = "stop"
+            elif seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+                seq.finish_reason = "length"
+            if seq.finish_reason is not None:
+                break
+        return accepted
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        if self.tokenizer is None:
+            return False
+        return _first_stop(self.tokenizer.decode(seq.output_token_ids), seq.params.stop) >= 0
+
+    def visible_text(self, seq: Sequence) -> str:
+        """The decoded output, cut before the first stop string."""
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(seq.output_token_ids)
+        cut = _first_stop(text, seq.params.stop)
+        return text if cut < 0 else text[:cut]
+
+    def output(self, seq: Sequence) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.seq_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=seq.output_token_ids,
+            text=self.visible_text(seq),
+            finish_reason=seq.finish_reason or "abort",
+            metrics=self.metrics(seq),
+        )
+
+    def metrics(self, seq: Sequence) -> dict:
+        end = seq.finish_time or time.perf_counter()
+        n = seq.num_output_tokens
+        total = end - seq.arrival_time
+        ttft = (seq.first_token_time - seq.arrival_time) if seq.first_token_time else None
+        tpot = (end - seq.first_token_time) / (n - 1) if seq.first_token_time and n > 1 else None
+        return {
+            "num_prompt_tokens": seq.num_prompt_tokens,
+            "num_generated_tokens": n,
+            "time_s": total,
+            "ttft_s": ttft,
+            "tpot_s": tpot,
+            "tokens_per_s": n / total if total > 0 else None,
+            "num_preemptions": seq.num_preemptions,
+        }
+
+
+def _first_stop(text: str, stops: tuple[str, ...]) -> int:
+    """Index of the earliest stop string in ``text``, or -1."""
+    return min((i for i in (text.find(stop) for stop in stops) if i >= 0), default=-1)

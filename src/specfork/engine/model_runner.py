@@ -1,0 +1,119 @@
+"""Owns the device side of one model: its weights, its KV cache, input preparation and the
+forward pass. Target and draft models each get their own runner (composition, no subclassing)."""
+
+from __future__ import annotations
+
+import torch
+
+from specfork.engine.scheduler import ScheduledBatch
+from specfork.layers.attention import AttentionMetadata
+from specfork.models.llama import LlamaForCausalLM
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, *, num_blocks: int, block_size: int, device: torch.device) -> None:
+        cfg = model.config
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        dtype = model.embed_tokens.weight.dtype
+        # Zero-filled: masked-out slots are multiplied by 0 in attention, which needs finite values.
+        self.kv_caches = [
+            torch.zeros(2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
+            for _ in range(cfg.num_layers)
+        ]
+
+    @staticmethod
+    def kv_bytes_per_token(model: LlamaForCausalLM) -> int:
+        cfg = model.config
+        itemsize = model.embed_tokens.weight.element_size()
+        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+    def prepare(
+        self, seqs, starts: list[int], token_lists: list[list[int]], attn_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Inputs for computing ``token_lists[i]`` at positions ``starts[i]...`` of ``seqs[i]``.
+
+        ``attn_mask`` [B, q_max, k_max] bool overrides the default causal visibility (tree masks).
+        """
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        q_lens = [len(t) for t in token_lists]
+        q_max = max(q_lens)
+        ctx = [s + n for s, n in zip(starts, q_lens, strict=True)]
+        k_max = max(ctx)
+        max_blocks = -(-k_max // bs)
+        tables = []
+        for seq, start, toks in zip(seqs, starts, token_lists, strict=True):
+            table = seq.block_table
+            ids.extend(toks)
+            for p in range(start, start + len(toks)):
+                positions.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
+            tables.append(table[:max_blocks] + [0] * (max_blocks - min(len(table), max_blocks)))
+        dev = self.device
+        ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        uniform = all(n == q_max for n in q_lens)
+        pad_index = unpad_index = None
+        if not uniform:
+            pad, unpad = [], []
+            offset = 0
+            for b, n in enumerate(q_lens):
+                pad.extend(range(offset, offset + n))
+                pad.extend([offset] * (q_max - n))
+                unpad.extend(range(b * q_max, b * q_max + n))
+                offset += n
+            pad_index = torch.tensor(pad, dtype=torch.long, device=dev)
+            unpad_index = torch.tensor(unpad, dtype=torch.long, device=dev)
+        if attn_mask is not None:
+            mask = attn_mask.unsqueeze(1)
+        elif q_max == 1 and all(c == k_max for c in ctx):
+            mask = None  # every query sees every gathered key
+        else:
+            grid = [list(range(s, s + n)) + [0] * (q_max - n) for s, n in zip(starts, q_lens, strict=True)]
+            qpos = torch.tensor(grid, dtype=torch.long, device=dev)  # [B, q_max]
+            mask = (torch.arange(k_max, device=dev).view(1, 1, k_max) <= qpos.unsqueeze(2)).unsqueeze(1)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
+            k_max=k_max,
+            mask=mask,
+            q_max=q_max,
+            pad_index=pad_index,
+            unpad_index=unpad_index,
+        )
+        return ids_t, pos_t, meta
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        seqs,
+        starts: list[int],
+        token_lists: list[list[int]],
+        logits_rows: list[int],
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run the model and return float32 logits of the flat rows ``logits_rows``."""
+        ids, pos, meta = self.prepare(seqs, starts, token_lists, attn_mask)
+        hidden = self.model(ids, pos, self.kv_caches, meta)
+        if len(logits_rows) != hidden.shape[0]:
+            hidden = hidden.index_select(0, torch.tensor(logits_rows, dtype=torch.long, device=self.device))
+        return self.model.compute_logits(hidden)
+
+    def run_batch(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Compute the scheduled tokens; logits [n_sampling_seqs, V] of the sequences that sample."""
+        starts = [s.num_cached_tokens for s in batch.seqs]
+        tokens = [s.token_ids[st : st + n] for s, st, n in zip(batch.seqs, starts, batch.num_new_tokens, strict=True)]
+        rows, offset = [], 0
+        for n, samples in zip(batch.num_new_tokens, batch.samples, strict=True):
+            offset += n
+            if samples:
+                rows.append(offset - 1)
+        logits = self.forward(batch.seqs, starts, tokens, rows)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_cached_tokens += n
+        return logits

@@ -1,0 +1,120 @@
+"""Continuous batching: which sequences run in the next forward pass, and with how many tokens.
+
+A step is either a *prefill* step (waiting sequences compute their uncached tokens, in chunks
+when a prompt exceeds the token budget) or a *decode* step (every running sequence advances).
+When the KV cache runs out during decode, the most recently admitted sequence is preempted:
+its blocks are freed and it waits at the front of the queue to be recomputed later. Nothing is
+dropped and nothing is corrupted.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from specfork.engine.block_manager import BlockManager
+from specfork.engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_new_tokens: list[int]  # tokens each sequence computes this step
+    is_prefill: bool
+    samples: list[bool] = field(init=False)  # whether each sequence reaches its last token (and samples)
+
+    def __post_init__(self) -> None:
+        self.samples = [s.num_cached_tokens + n == len(s) for s, n in zip(self.seqs, self.num_new_tokens, strict=True)]
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self, lookahead: int = 0) -> ScheduledBatch | None:
+        """Pick the next batch. Decode steps reserve ``1 + lookahead`` slots per sequence
+        (speculative steps write several tokens)."""
+        batch = self._schedule_prefill()
+        if batch is not None:
+            return batch
+        return self._schedule_decode(lookahead)
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        seqs: list[Sequence] = []
+        counts: list[int] = []
+        budget = self.max_num_batched_tokens
+        while self.waiting and budget > 0 and len(self.running) + len(seqs) < self.max_num_seqs:
+            seq = self.waiting[0]
+            chunk = min(seq.num_uncached_tokens, budget)
+            # Leave one free block per running sequence so that admitting a prompt does not
+            # immediately force the running ones into preemption.
+            headroom = len(self.running) + len(seqs)
+            needed = self.blocks.blocks_for(seq.num_cached_tokens + chunk) - len(seq.block_table)
+            if needed + headroom > self.blocks.num_free_blocks and (self.running or seqs):
+                break
+            if not self.blocks.can_grow(seq, seq.num_cached_tokens + chunk):
+                break
+            self.blocks.grow(seq, seq.num_cached_tokens + chunk)
+            seqs.append(seq)
+            counts.append(chunk)
+            budget -= chunk
+            if chunk < seq.num_uncached_tokens:
+                break  # partially prefilled: it stays first in line and continues next step
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        if not seqs:
+            if self.waiting and not self.running:
+                # Nothing runs, so nothing will free blocks: the cache is too small for this prompt.
+                raise RuntimeError("KV cache too small for a single waiting sequence")
+            return None
+        return ScheduledBatch(seqs, counts, is_prefill=True)
+
+    def _schedule_decode(self, lookahead: int) -> ScheduledBatch | None:
+        scheduled: list[Sequence] = []
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            need = len(seq) + lookahead
+            while not self.blocks.can_grow(seq, need):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                self.blocks.grow(seq, need)
+                scheduled.append(seq)
+        if not scheduled:
+            return None
+        return ScheduledBatch(scheduled, [s.num_uncached_tokens for s in scheduled], is_prefill=False)
+
+    def _preempt(self, seq: Sequence) -> None:
+        logger.debug("preempting sequence %d (%d tokens) to free KV blocks", seq.seq_id, len(seq))
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+        seq.status = SequenceStatus.FINISHED

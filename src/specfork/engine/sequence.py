@@ -1,0 +1,64 @@
+"""One request's state as it moves through the engine."""
+
+from __future__ import annotations
+
+import time
+from enum import Enum
+
+import torch
+
+from specfork.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Token ids (prompt then output), KV-cache bookkeeping and timing of one request.
+
+    ``num_cached_tokens`` counts the leading tokens whose keys/values are in the KV cache.
+    After preemption it drops to 0 and the sequence is recomputed from its tokens.
+    """
+
+    def __init__(
+        self, seq_id: int, prompt_token_ids: list[int], params: SamplingParams, generator: torch.Generator
+    ) -> None:
+        self.seq_id = seq_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.generator = generator
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_cached_tokens = 0
+        self.finish_reason: str | None = None
+        self.num_preemptions = 0
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncached_tokens(self) -> int:
+        return len(self.token_ids) - self.num_cached_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,58 @@
+"""The ``Step`` protocol: how one scheduled batch turns into new tokens. The engine drives a
+step without knowing whether it is autoregressive or speculative."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from specfork.engine.model_runner import ModelRunner
+from specfork.engine.scheduler import ScheduledBatch
+from specfork.engine.sequence import Sequence
+from specfork.layers.sampler import logits_to_probs, sample_from_probs
+
+
+class Step(Protocol):
+    lookahead: int  # extra KV slots a decode step needs per sequence beyond the next token
+
+    def execute(self, batch: ScheduledBatch) -> dict[Sequence, list[int]]:
+        """Run the batch; return the new tokens of every sequence that produced some."""
+        ...
+
+
+def sampling_tensors(seqs: list[Sequence], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row temperature, top-k and top-p (greedy rows get temperature 1; callers argmax them)."""
+    temp = torch.tensor([s.params.temperature or 1.0 for s in seqs], dtype=torch.float32, device=device)
+    top_k = torch.tensor([s.params.top_k for s in seqs], dtype=torch.long, device=device)
+    top_p = torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32, device=device)
+    return temp, top_k, top_p
+
+
+def sample_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """One token per row of ``logits`` [N, V]: argmax for greedy requests, otherwise a draw from
+    the filtered distribution with the request's own generator."""
+    tokens = logits.argmax(dim=-1)
+    sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    if sampled:
+        rows = [seqs[i] for i in sampled]
+        idx = torch.tensor(sampled, device=logits.device)
+        probs = logits_to_probs(logits.index_select(0, idx), *sampling_tensors(rows, logits.device))
+        tokens[idx] = sample_from_probs(probs, [s.generator for s in rows])
+    return tokens.tolist()
+
+
+class AutoregressiveStep:
+    """Plain decoding: one forward pass, one new token per sequence."""
+
+    lookahead = 0
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def execute(self, batch: ScheduledBatch) -> dict[Sequence, list[int]]:
+        logits = self.runner.run_batch(batch)
+        sampling = [s for s, samples in zip(batch.seqs, batch.samples, strict=True) if samples]
+        if not sampling:
+            return {}
+        return {s: [t] for s, t in zip(sampling, sample_tokens(logits, sampling), strict=True)}

@@ -1,0 +1,123 @@
+"""The public Python API: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+
+from specfork.config import DEFAULT_MODEL, Config
+from specfork.engine.llm_engine import LLMEngine
+from specfork.errors import PromptError, SpecforkError
+from specfork.outputs import RequestOutput
+from specfork.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+_CONFIG_FIELDS = {f.name for f in dataclasses.fields(Config)}
+
+
+class LLM:
+    """An engine plus the conveniences of batch generation and chat.
+
+    Keyword arguments are the fields of :class:`specfork.config.Config`.
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, **options) -> None:
+        unknown = sorted(set(options) - _CONFIG_FIELDS)
+        if unknown:
+            raise SpecforkError(f"unknown option(s) {', '.join(unknown)}; valid: {', '.join(sorted(_CONFIG_FIELDS))}")
+        self.config = Config(model=model, **options)
+        self.engine = LLMEngine(self.config)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (raw text, tokenized as the tokenizer says, or token ids).
+        Outputs come back in input order."""
+        batch = _as_prompt_list(prompts)
+        return self._run([self.engine.encode_prompt(p) for p in batch], sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        conversations: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate a reply for each conversation (a list of {role, content} messages)."""
+        if isinstance(conversations, list) and conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        return self._run([self.engine.encode_chat(c) for c in conversations], sampling_params, use_tqdm)
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[str]:
+        """Generate for one tokenized prompt, yielding text as it becomes final. The finished
+        output is available as ``self.last_output`` afterwards."""
+        engine = self.engine
+        seq = engine.add_request(prompt_ids, params)
+        shown = ""
+        try:
+            while not seq.is_finished:
+                engine.step()
+                text = engine.visible_text(seq)
+                # Hold back a trailing replacement char (incomplete UTF-8) and possible stop prefixes.
+                safe = text.rstrip("\ufffd") if not seq.is_finished else text
+                if params.stop and not seq.is_finished:
+                    safe = safe[: max(0, len(safe) - max(len(s) for s in params.stop) + 1)]
+                if len(safe) > len(shown) and safe.startswith(shown):
+                    yield safe[len(shown) :]
+                    shown = safe
+        finally:
+            engine.abort(seq)
+        self.last_output = engine.output(seq)
+
+    def _run(self, prompt_ids: list[list[int]], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        params = _as_params_list(sampling_params, len(prompt_ids))
+        engine = self.engine
+        seqs = [engine.add_request(ids, p) for ids, p in zip(prompt_ids, params, strict=True)]
+        progress = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            progress = tqdm(total=len(seqs), desc="generating", unit="req")
+        try:
+            while any(not s.is_finished for s in seqs):
+                for update in engine.step():
+                    if update.finished and progress is not None:
+                        progress.update(1)
+        finally:
+            for s in seqs:
+                engine.abort(s)
+            if progress is not None:
+                progress.close()
+        return [engine.output(s) for s in seqs]
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        if not prompts:
+            raise PromptError("no prompts given")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return [list(prompts)]  # one prompt of token ids
+        return list(prompts)
+    raise PromptError(f"prompts must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}")
+
+
+def _as_params_list(sampling_params, n: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * n
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    params = list(sampling_params)
+    if len(params) != n or not all(isinstance(p, SamplingParams) for p in params):
+        raise SpecforkError(f"expected one SamplingParams or a list of {n}, got {sampling_params!r}")
+    return params

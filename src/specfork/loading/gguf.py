@@ -1,0 +1,137 @@
+"""Load GGUF files: architecture from metadata, tensors dequantized to float32 with the
+``gguf`` package and renamed to HF names (Llama q/k rows un-permuted back to HF's RoPE layout)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specfork.errors import ModelLoadError
+from specfork.models.config import ModelArchConfig
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+def open_gguf(path: Path):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # the reader raises many exception types on corrupt files
+        raise ModelLoadError(f"malformed GGUF file {path}: {type(e).__name__}: {e}") from None
+
+
+def field_value(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    value = field.contents()
+    return value
+
+
+def read_gguf_config(reader, path: Path) -> ModelArchConfig:
+    arch = field_value(reader, "general.architecture")
+    if arch not in ("llama", "qwen2", "qwen3"):
+        raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r} (supported: llama, qwen2, qwen3)")
+
+    def need(key: str):
+        value = field_value(reader, f"{arch}.{key}")
+        if value is None:
+            raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.{key}")
+        return value
+
+    heads = int(need("attention.head_count"))
+    hidden = int(need("embedding_length"))
+    names = {t.name for t in reader.tensors}
+    vocab = field_value(reader, f"{arch}.vocab_size")
+    if vocab is None:
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        vocab = len(tokens.data) if tokens is not None else None
+    if vocab is None:
+        raise ModelLoadError(f"{path}: GGUF metadata gives no vocabulary size")
+    eos = field_value(reader, "tokenizer.ggml.eos_token_id")
+    scaling = None
+    if field_value(reader, f"{arch}.rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
+    return ModelArchConfig(
+        architecture=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(field_value(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(field_value(reader, f"{arch}.attention.key_length", hidden // heads)),
+        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(field_value(reader, f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(need("context_length")),
+        tie_word_embeddings="output.weight" not in names,
+        rope_scaling=scaling,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),),
+    )
+
+
+def hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _LAYER_RE.match(gguf_name)
+    if m is None or m.group(2) not in _LAYER_NAMES:
+        return None
+    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def _unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (interleaved RoPE pairs → HF's half-split layout)."""
+    rows = w.shape[0]
+    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def dequantize_tensor(tensor) -> torch.Tensor:
+    """One GGUF tensor as float32 in PyTorch (row-major, HF) shape."""
+    import gguf
+
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    return torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))
+
+
+def load_gguf_tensors(reader, cfg: ModelArchConfig, path: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        if name is None:
+            continue
+        try:
+            w = dequantize_tensor(tensor)
+        except Exception as e:
+            raise ModelLoadError(f"{path}: cannot dequantize {tensor.name} ({tensor.tensor_type.name}): {e}") from None
+        if cfg.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            w = _unpermute_rope_rows(w, cfg.num_heads)
+        elif cfg.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            w = _unpermute_rope_rows(w, cfg.num_kv_heads)
+        tensors[name] = w
+    return tensors

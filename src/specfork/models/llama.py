@@ -1,0 +1,134 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+Modules are built directly from a state dict with HF parameter names. q/k/v and gate/up
+projections are fused into one linear layer each. The model computes hidden states for a flat
+batch of new tokens; which keys each token sees is decided by the attention metadata, so the
+model knows nothing about how tokens were scheduled or proposed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specfork.errors import ModelLoadError
+from specfork.layers.attention import AttentionMetadata, paged_attention_sdpa, write_kv
+from specfork.layers.linear import make_linear
+from specfork.layers.norm import RMSNorm
+from specfork.layers.rotary import RotaryEmbedding
+from specfork.models.config import ModelArchConfig
+
+WeightSource = Callable[[str], torch.Tensor | None]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, take: WeightSource, prefix: str) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        weight = torch.cat([_need(take, f"{prefix}.{n}_proj.weight") for n in ("q", "k", "v")])
+        bias = None
+        if cfg.qkv_bias:
+            bias = torch.cat([_need(take, f"{prefix}.{n}_proj.bias") for n in ("q", "k", "v")])
+        self.qkv_proj = make_linear(weight, bias)
+        self.o_proj = make_linear(_need(take, f"{prefix}.o_proj.weight"), take(f"{prefix}.o_proj.bias"))
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(_need(take, f"{prefix}.q_norm.weight"), cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(_need(take, f"{prefix}.k_norm.weight"), cfg.rms_norm_eps)
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        write_kv(cache, k, v, meta.slot_mapping)
+        out = paged_attention_sdpa(q, cache, meta, self.scale)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, take: WeightSource, prefix: str) -> None:
+        super().__init__()
+        gate, up = _need(take, f"{prefix}.gate_proj.weight"), _need(take, f"{prefix}.up_proj.weight")
+        self.intermediate = gate.shape[0]
+        self.gate_up_proj = make_linear(torch.cat([gate, up]))
+        self.down_proj = make_linear(_need(take, f"{prefix}.down_proj.weight"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, take: WeightSource, prefix: str) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(_need(take, f"{prefix}.input_layernorm.weight"), cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, take, f"{prefix}.self_attn")
+        self.post_attention_layernorm = RMSNorm(
+            _need(take, f"{prefix}.post_attention_layernorm.weight"), cfg.rms_norm_eps
+        )
+        self.mlp = MLP(take, f"{prefix}.mlp")
+
+    def forward(self, x, positions, rotary, cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Embedding → N decoder layers → final norm → LM head (tied or not)."""
+
+    def __init__(self, cfg: ModelArchConfig, take: WeightSource, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        embed = _need(take, "model.embed_tokens.weight")
+        self.embed_tokens = nn.Embedding.from_pretrained(embed, freeze=True)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, take, f"model.layers.{i}") for i in range(cfg.num_layers))
+        self.norm = RMSNorm(_need(take, "model.norm.weight"), cfg.rms_norm_eps)
+        head = take("lm_head.weight")
+        if head is None:
+            if not cfg.tie_word_embeddings:
+                raise ModelLoadError("checkpoint has no lm_head.weight and does not tie word embeddings")
+            self.lm_head = make_linear(self.embed_tokens.weight)
+        else:
+            self.lm_head = make_linear(head)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, positions, self.rotary, cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+
+def _need(take: WeightSource, name: str) -> torch.Tensor:
+    tensor = take(name)
+    if tensor is None:
+        raise ModelLoadError(f"checkpoint is missing the tensor {name!r}")
+    return tensor

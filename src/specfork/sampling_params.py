@@ -1,0 +1,49 @@
+"""Per-request sampling settings, validated once at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specfork.errors import SpecforkError
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How one request samples and when it stops.
+
+    temperature == 0 means greedy decoding; top_k == 0 and top_p == 1.0 disable those filters.
+    A request with ``seed`` set produces the same tokens whatever else shares its batch.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 16
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise SpecforkError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+            raise SpecforkError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise SpecforkError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise SpecforkError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise SpecforkError(f"seed must be an integer or None, got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise SpecforkError(f"stop must be non-empty strings, got {self.stop!r}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise SpecforkError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
