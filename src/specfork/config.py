@@ -25,7 +25,7 @@ class Config:
     dtype: str | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
-    kv_cache_tokens: int = 65536
+    kv_cache_tokens: int = 16384
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 4096
     max_model_len: int | None = None

@@ -1,0 +1,153 @@
+"""Shared fixtures: tiny random HF checkpoints (Llama, Llama-3 RoPE scaling, Qwen2, Qwen3).
+
+The checkpoints are built with transformers itself, randomized with a fixed seed and saved as
+safetensors into a session temp directory, so the tests need no network and no model hub. They
+carry no tokenizer files: prompts are lists of token ids.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_VOCAB = 256
+
+
+@dataclass(frozen=True)
+class TinyCheckpoint:
+    name: str
+    path: Path
+    architecture: str
+    tied: bool
+    sharded: bool
+
+    def __str__(self) -> str:  # nice pytest ids / messages
+        return self.name
+
+
+def _llama(**overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kw = dict(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0,
+        rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+    )
+    kw.update(overrides)
+    return LlamaForCausalLM(LlamaConfig(**kw))
+
+
+def _qwen2(**overrides):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    kw = dict(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0,
+        rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, use_sliding_window=False,
+    )
+    kw.update(overrides)
+    return Qwen2ForCausalLM(Qwen2Config(**kw))
+
+
+def _qwen3(**overrides):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    kw = dict(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,  # q_size (128) != hidden (64)
+        max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6,
+        bos_token_id=1, eos_token_id=2, use_sliding_window=False,
+    )
+    kw.update(overrides)
+    return Qwen3ForCausalLM(Qwen3Config(**kw))
+
+
+# name -> (builder, builder kwargs, max_shard_size or None)
+TINY_SPECS = {
+    "llama-gqa-tied": (_llama, dict(tie_word_embeddings=True), None),
+    "llama3-rope-untied-sharded": (
+        _llama,
+        dict(
+            tie_word_embeddings=False,
+            num_key_value_heads=1,  # multi-query attention
+            rope_scaling={
+                "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+            },
+        ),
+        "100KB",
+    ),
+    "qwen2-bias-untied": (_qwen2, dict(tie_word_embeddings=False), None),
+    "qwen3-qknorm-tied": (_qwen3, dict(tie_word_embeddings=True), None),
+}
+TINY_NAMES = list(TINY_SPECS)
+
+
+@torch.no_grad()
+def randomize_(model: torch.nn.Module, seed: int) -> None:
+    """Overwrite every parameter with seeded values of a healthy scale.
+
+    transformers' default init (std 0.02, norms 1, biases 0) gives nearly uniform logits and
+    leaves norm weights and biases untested; here linear weights are ~N(0, 1/fan_in) (unit-scale
+    activations), embeddings ~N(0, 0.5^2), every RMSNorm weight (incl. Qwen3 q/k norms) is
+    uniform in [0.5, 1.5] and every bias (Qwen2 q/k/v) is ~N(0, 0.3^2).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if id(p) in seen:  # tied lm_head / embedding
+            continue
+        seen.add(id(p))
+        if name.endswith("norm.weight"):
+            p.copy_(0.5 + torch.rand(p.shape, generator=gen))
+        elif name.endswith(".bias"):
+            p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+        elif "embed_tokens" in name:
+            p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+        elif p.dim() == 2:
+            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
+        else:
+            raise AssertionError(f"unexpected parameter {name} {tuple(p.shape)}")
+
+
+def build_tiny_checkpoint(name: str, root: Path, seed: int) -> TinyCheckpoint:
+    builder, kwargs, shard = TINY_SPECS[name]
+    torch.manual_seed(seed)
+    model = builder(**kwargs).float().eval()
+    randomize_(model, seed)
+    cfg = model.config
+    if getattr(cfg, "tie_word_embeddings", False):
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    path = root / name
+    save_kw = {"safe_serialization": True}
+    if shard:
+        save_kw["max_shard_size"] = shard
+    model.save_pretrained(path, **save_kw)
+    files = sorted(p.name for p in path.glob("*.safetensors"))
+    if shard:
+        assert (path / "model.safetensors.index.json").is_file(), files
+        assert len(files) > 1, f"{name} was meant to be sharded, got {files}"
+    saved = json.loads((path / "config.json").read_text())
+    assert saved["model_type"] == cfg.model_type
+    return TinyCheckpoint(
+        name=name, path=path, architecture=cfg.model_type,
+        tied=bool(kwargs.get("tie_word_embeddings")), sharded=bool(shard),
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[str, TinyCheckpoint]:
+    """Every tiny checkpoint, built once per session: name -> TinyCheckpoint."""
+    root = tmp_path_factory.mktemp("tiny_checkpoints")
+    return {name: build_tiny_checkpoint(name, root, seed=1234 + i) for i, name in enumerate(TINY_NAMES)}
+
+
+@pytest.fixture(scope="session", params=TINY_NAMES)
+def tiny_checkpoint(request, tiny_checkpoints) -> TinyCheckpoint:
+    """Parametrized over every tiny checkpoint."""
+    return tiny_checkpoints[request.param]

@@ -1,0 +1,161 @@
+"""Every bad input gets a clear error naming the problem: ValueError in the API, a non-zero
+exit code and a one-line message on the CLI."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specfork import LLM, ModelLoadError, PromptError, SamplingParams, SpecforkError
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    path = tmp_path_factory.mktemp("tiny_bad")
+    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_dir):
+    return LLM(str(tiny_dir))
+
+
+def run_cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "specfork.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+# ---- API ----------------------------------------------------------------------------------
+
+def test_empty_prompts(tiny_llm):
+    with pytest.raises(PromptError, match="empty"):
+        tiny_llm.generate([[]])
+    with pytest.raises(PromptError, match="empty"):
+        tiny_llm.generate([""])
+    with pytest.raises(PromptError, match="no prompts"):
+        tiny_llm.generate([])
+
+
+def test_prompt_longer_than_context(tiny_llm):
+    with pytest.raises(PromptError, match="64"):
+        tiny_llm.generate([[1] * 64])
+
+
+def test_token_ids_outside_vocabulary(tiny_llm):
+    with pytest.raises(PromptError, match="vocabulary"):
+        tiny_llm.generate([[1, 64]])
+    with pytest.raises(PromptError, match="integers"):
+        tiny_llm.generate([[1, "a"]])
+
+
+def test_text_prompt_without_tokenizer(tiny_llm):
+    with pytest.raises(PromptError, match="no tokenizer"):
+        tiny_llm.generate(["hello"])
+
+
+def test_a_failed_request_does_not_poison_the_engine(tiny_llm):
+    with pytest.raises(PromptError):
+        tiny_llm.generate([[1, 2], []])
+    out = tiny_llm.generate([[1, 2]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert len(out) == 1 and len(out[0].token_ids) == 3
+
+
+def test_unknown_model(tmp_path):
+    with pytest.raises(ModelLoadError, match="neither a known alias"):
+        LLM(str(tmp_path / "nope"))
+    with pytest.raises(ModelLoadError, match="config.json"):
+        LLM(str(tmp_path))
+
+
+def test_malformed_gguf(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 64)
+    with pytest.raises(ModelLoadError, match="malformed GGUF"):
+        LLM(str(bad))
+    not_gguf = tmp_path / "model.gguf"
+    not_gguf.write_bytes(b"hello world")
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        LLM(str(not_gguf))
+
+
+def test_malformed_safetensors(tmp_path, tiny_dir):
+    (tmp_path / "config.json").write_text((tiny_dir / "config.json").read_text())
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
+    with pytest.raises(ModelLoadError, match="malformed safetensors"):
+        LLM(str(tmp_path))
+
+
+def test_bad_config_json(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ModelLoadError, match="unsupported model_type"):
+        LLM(str(tmp_path))
+
+
+@pytest.mark.parametrize("options, field", [
+    ({"block_size": 0}, "block_size"), ({"device": "tpu"}, "device"), ({"max_num_seqs": -1}, "max_num_seqs"),
+    ({"dtype": "bfloat16"}, "dtype"), ({"bogus": 1}, "bogus"),
+])
+def test_bad_engine_options(tiny_dir, options, field):
+    with pytest.raises(SpecforkError, match=field):
+        LLM(str(tiny_dir), **options)
+
+
+# ---- CLI ----------------------------------------------------------------------------------
+
+def test_cli_unknown_model():
+    r = run_cli("generate", "--model", "/no/such/model", "--prompt", "hi")
+    assert r.returncode == 2 and "error:" in r.stderr and "neither a known alias" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_cli_invalid_sampling_values(tiny_dir):
+    for flags, field in ((["--temperature", "-1"], "temperature"), (["--top-p", "0"], "top_p"),
+                         (["--top-p", "1.5"], "top_p"), (["--max-tokens", "0"], "max_tokens")):
+        r = run_cli("generate", "--model", str(tiny_dir), "--prompt", "hi", *flags)
+        assert r.returncode == 2 and field in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_cli_empty_prompt(tiny_dir):
+    r = run_cli("generate", "--model", str(tiny_dir), "--prompt", "")
+    assert r.returncode == 2 and "prompt is empty" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_prompts_file_errors(tmp_path, tiny_dir):
+    cases = {
+        b'{"token_ids": [1, 2]}\n\xff\xfe bad bytes\n': "line 2: line is not valid UTF-8",
+        b'{"token_ids": [1, 2]}\n{not json\n': "2: not valid JSON",
+        b'{"text": "x"}\n': "1: each line needs exactly one of",
+        b'{"token_ids": []}\n': "1: prompt is empty",
+        b'{"token_ids": [1, 9999]}\n': "outside the vocabulary",
+        b"\n\n": "contains no prompts",
+    }
+    for i, (content, message) in enumerate(cases.items()):
+        f = tmp_path / f"p{i}.jsonl"
+        f.write_bytes(content)
+        r = run_cli("generate", "--model", str(tiny_dir), "--prompts-file", str(f))
+        assert r.returncode == 2, (content, r.stderr)
+        assert message.replace("line 2: ", "") in r.stderr and "Traceback" not in r.stderr, (message, r.stderr)
+    r = run_cli("generate", "--model", str(tiny_dir), "--prompts-file", str(tmp_path / "missing.jsonl"))
+    assert r.returncode == 2 and "cannot read prompts file" in r.stderr
+
+
+def test_cli_prompts_file_output_in_order(tmp_path, tiny_dir):
+    f = tmp_path / "prompts.jsonl"
+    f.write_text('{"token_ids": [1, 2, 3]}\n{"token_ids": [4, 5], "extra": 1}\n')
+    out = tmp_path / "out.jsonl"
+    r = run_cli("generate", "--model", str(tiny_dir), "--prompts-file", str(f), "--output", str(out),
+                "--max-tokens", "4", "--ignore-eos", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    llm = LLM(str(tiny_dir))
+    expected = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert [x["token_ids"] for x in lines] == [o.token_ids for o in expected]
+    assert all(set(x) == {"token_ids", "text", "metrics"} for x in lines)
+    assert lines[0]["metrics"]["num_generated_tokens"] == 4

@@ -1,0 +1,136 @@
+"""The sampling filter and sampler against exact, enumerated probabilities."""
+
+import math
+
+import pytest
+import torch
+
+from specfork import SamplingParams, SpecforkError
+from specfork.layers.sampler import logits_to_probs, sample_from_probs
+
+
+def _probs(logits, temperature=1.0, top_k=0, top_p=1.0):
+    return logits_to_probs(
+        logits.unsqueeze(0),
+        torch.tensor([temperature]),
+        torch.tensor([top_k]),
+        torch.tensor([top_p]),
+    )[0]
+
+
+LOGITS = torch.tensor([2.0, 1.0, 0.5, 3.0, -1.0, 0.0, 1.5, -2.0])
+
+
+def test_temperature_scales_logits():
+    expected = torch.softmax(LOGITS / 0.7, dim=0)
+    torch.testing.assert_close(_probs(LOGITS, temperature=0.7), expected)
+
+
+def test_top_k_keeps_k_largest_renormalized():
+    p = _probs(LOGITS, top_k=3)
+    keep = [3, 0, 6]  # logits 3.0, 2.0, 1.5
+    expected = torch.zeros(8)
+    expected[keep] = torch.softmax(LOGITS[keep], dim=0)
+    torch.testing.assert_close(p, expected)
+
+
+def test_top_p_keeps_smallest_prefix_reaching_mass():
+    full = torch.softmax(LOGITS, dim=0)
+    order = full.argsort(descending=True).tolist()
+    for top_p in (0.3, 0.5, 0.8, 0.95):
+        keep, mass = [], 0.0
+        for i in order:
+            keep.append(i)
+            mass += full[i].item()
+            if mass >= top_p:
+                break
+        expected = torch.zeros(8)
+        expected[keep] = full[keep] / full[keep].sum()
+        torch.testing.assert_close(_probs(LOGITS, top_p=top_p), expected)
+
+
+def test_top_k_then_top_p_and_temperature_together():
+    p = _probs(LOGITS, temperature=2.0, top_k=4, top_p=0.6)
+    scaled = LOGITS / 2.0
+    keep4 = scaled.topk(4).indices.tolist()
+    sub = torch.softmax(scaled[keep4], dim=0)
+    keep, mass = [], 0.0
+    for i, pi in zip(keep4, sub.tolist(), strict=True):  # topk is sorted descending
+        keep.append(i)
+        mass += pi
+        if mass >= 0.6:
+            break
+    expected = torch.zeros(8)
+    expected[keep] = torch.softmax(scaled[keep], dim=0)
+    torch.testing.assert_close(p, expected)
+
+
+def test_rows_are_filtered_independently():
+    logits = torch.stack([LOGITS, LOGITS.flip(0)])
+    p = logits_to_probs(logits, torch.tensor([1.0, 0.5]), torch.tensor([2, 0]), torch.tensor([1.0, 0.9]))
+    torch.testing.assert_close(p[0], _probs(LOGITS, top_k=2))
+    torch.testing.assert_close(p[1], _probs(LOGITS.flip(0), temperature=0.5, top_p=0.9))
+
+
+def test_sampler_matches_distribution_chi_square():
+    probs = _probs(LOGITS, temperature=1.5, top_k=6)
+    gen = torch.Generator().manual_seed(1234)
+    n = 40000
+    counts = torch.zeros(8)
+    batch = probs.unsqueeze(0).expand(1000, 8).contiguous()
+    for _ in range(n // 1000):
+        gens = [gen] * 1000
+        toks = sample_from_probs(batch, gens)
+        counts += torch.bincount(toks, minlength=8).float()
+    support = probs > 0
+    assert counts[~support].sum() == 0, "sampled a filtered-out token"
+    expected = probs[support] * n
+    chi2 = (((counts[support] - expected) ** 2) / expected).sum().item()
+    dof = int(support.sum()) - 1
+    # 99.9% quantile of chi-square with 5 dof is 20.5
+    assert dof == 5 and chi2 < 20.5, chi2
+
+
+def test_sampler_rejects_a_wrong_distribution():
+    """The chi-square check above has power: samples from another distribution fail it."""
+    probs = _probs(LOGITS, temperature=1.5, top_k=6)
+    wrong = _probs(LOGITS, temperature=1.2, top_k=6)
+    gen = torch.Generator().manual_seed(99)
+    n = 40000
+    toks = sample_from_probs(wrong.unsqueeze(0).expand(n, 8).contiguous(), [gen] * n)
+    counts = torch.bincount(toks, minlength=8).float()
+    support = probs > 0
+    expected = probs[support] * n
+    chi2 = (((counts[support] - expected) ** 2) / expected).sum().item()
+    assert chi2 > 20.5
+
+
+def test_same_generator_seed_same_samples():
+    probs = _probs(LOGITS).unsqueeze(0).expand(4, 8).contiguous()
+    a = sample_from_probs(probs, [torch.Generator().manual_seed(s) for s in (1, 2, 3, 4)])
+    b = sample_from_probs(probs, [torch.Generator().manual_seed(s) for s in (1, 2, 3, 4)])
+    assert a.tolist() == b.tolist()
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"top_k": -1}, "top_k"),
+        ({"seed": 1.5}, "seed"),
+        ({"stop": [""]}, "stop"),
+    ],
+)
+def test_invalid_sampling_params_raise_value_error(kwargs, field):
+    with pytest.raises(SpecforkError, match=field):
+        SamplingParams(**kwargs)
+    assert issubclass(SpecforkError, ValueError)
+
+
+def test_valid_sampling_params():
+    p = SamplingParams(temperature=0.0, top_p=1.0, stop="x", max_tokens=1)
+    assert p.greedy and p.stop == ("x",)
+    assert not math.isnan(SamplingParams(top_p=0.01).top_p)
