@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from specfork.errors import SpecforkError
 
 DEFAULT_MODEL = "smollm2-135m"
+MODES = ("ar", "sd")
+DRAFTERS = ("draft", "ngram")
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,6 +20,12 @@ class Config:
         ``kv_cache_tokens`` (enough for that many tokens in total).
     max_model_len: longest prompt + output; None takes the model's context length.
     threads: torch intra-op threads on CPU; None keeps torch's default.
+    mode: "ar" (autoregressive) or "sd" (speculative decoding).
+    drafter: in SD, "draft" (a draft model, ``draft``) or "ngram" (prompt lookup, n-grams of
+        ``ngram_min``..``ngram_max`` tokens).
+    k: tokens proposed per speculative round.
+    deterministic: batch-invariant kernels, so that speculative greedy output is bit-identical
+        to AR greedy output (the default fast mode may differ at numerical near-ties).
     """
 
     model: str = DEFAULT_MODEL
@@ -31,6 +39,13 @@ class Config:
     max_model_len: int | None = None
     threads: int | None = None
     seed: int = 0
+    mode: str = "ar"
+    drafter: str = "draft"
+    draft: str | None = None
+    k: int = 5
+    ngram_min: int = 1
+    ngram_max: int = 4
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -51,6 +66,26 @@ class Config:
             _positive("max_model_len", self.max_model_len)
         if self.threads is not None:
             _positive("threads", self.threads)
+        if self.mode not in MODES:
+            raise SpecforkError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.drafter not in DRAFTERS:
+            raise SpecforkError(f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
+        _positive("k", self.k)
+        if self.k > 32:
+            raise SpecforkError(f"k must be at most 32, got {self.k}")
+        _positive("ngram_min", self.ngram_min)
+        _positive("ngram_max", self.ngram_max)
+        if self.ngram_min > self.ngram_max:
+            raise SpecforkError(f"ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})")
+        if self.draft is not None and (not isinstance(self.draft, str) or not self.draft):
+            raise SpecforkError("draft must be a non-empty path or alias")
+        if not isinstance(self.deterministic, bool):
+            raise SpecforkError(f"deterministic must be True or False, got {self.deterministic!r}")
+
+    @property
+    def lookahead(self) -> int:
+        """KV slots a decode step writes beyond the next token."""
+        return 0 if self.mode == "ar" else self.k
 
     @property
     def torch_dtype_name(self) -> str:

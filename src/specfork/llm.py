@@ -27,7 +27,12 @@ class LLM:
         if unknown:
             raise SpecforkError(f"unknown option(s) {', '.join(unknown)}; valid: {', '.join(sorted(_CONFIG_FIELDS))}")
         self.config = Config(model=model, **options)
-        self.engine = LLMEngine(self.config)
+        build_step = None
+        if self.config.mode == "sd":
+            from specfork.spec.factory import build_speculative_step
+
+            build_step = build_speculative_step
+        self.engine = LLMEngine(self.config, build_step)
 
     @property
     def tokenizer(self):

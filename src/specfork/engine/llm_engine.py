@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from collections.abc import Callable
 from itertools import count
 
 import torch
@@ -35,7 +36,8 @@ class StepUpdate:
 
 
 class LLMEngine:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, build_step: Callable[[LLMEngine], Step] | None = None) -> None:
+        """``build_step`` makes the decoding step from the engine's parts (default: AR)."""
         self.config = config
         if config.threads is not None and config.device == "cpu":
             torch.set_num_threads(config.threads)
@@ -53,16 +55,24 @@ class LLMEngine:
                 f"max_model_len {requested_len} exceeds the model's context length {arch.max_position_embeddings}"
             )
         num_blocks = config.num_kv_blocks or -(-config.kv_cache_tokens // config.block_size)
-        self.runner = ModelRunner(self.loaded.model, num_blocks=num_blocks, block_size=config.block_size, device=self.device)
+        self.runner = ModelRunner(
+            self.loaded.model,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            device=self.device,
+            deterministic=config.deterministic,
+        )
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            on_release=self._release,
         )
-        self.step_strategy: Step = AutoregressiveStep(self.runner)
-        capacity = num_blocks * config.block_size - self.step_strategy.lookahead
+        capacity = num_blocks * config.block_size - config.lookahead
         self.max_model_len = min(requested_len or arch.max_position_embeddings, capacity)
+        self.num_kv_blocks = num_blocks
+        self.step_strategy: Step = build_step(self) if build_step else AutoregressiveStep(self.runner)
         self.eos_token_ids = frozenset(arch.eos_token_ids)
         self._ids = count()
         logger.info(
@@ -129,6 +139,9 @@ class LLMEngine:
             seq.finish_time = time.perf_counter()
             self.scheduler.finish(seq)
 
+    def _release(self, seq: Sequence) -> None:
+        self.step_strategy.release(seq)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -143,6 +156,7 @@ class LLMEngine:
         updates = []
         for seq, tokens in produced.items():
             accepted = self._append(seq, tokens)
+            self.step_strategy.committed(seq)
             if seq.first_token_time is None and accepted:
                 seq.first_token_time = now
             if seq.finish_reason is not None:
@@ -205,6 +219,7 @@ class LLMEngine:
             "tpot_s": tpot,
             "tokens_per_s": n / total if total > 0 else None,
             "num_preemptions": seq.num_preemptions,
+            **{k: v for stat in seq.stats.values() for k, v in stat.as_metrics().items()},
         }
 
 

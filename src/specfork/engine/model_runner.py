@@ -7,13 +7,26 @@ import torch
 
 from specfork.engine.scheduler import ScheduledBatch
 from specfork.layers.attention import AttentionMetadata
+from specfork.layers.linear import set_batch_invariant
 from specfork.models.llama import LlamaForCausalLM
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, *, num_blocks: int, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        *,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        deterministic: bool = False,
+    ) -> None:
+        """``deterministic``: decode and verify steps use batch-invariant kernels, so a token's
+        logits do not depend on how many tokens or sequences share its forward pass."""
         cfg = model.config
         self.model = model
+        self.deterministic = deterministic
+        set_batch_invariant(model, deterministic)
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -31,7 +44,12 @@ class ModelRunner:
         return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
 
     def prepare(
-        self, seqs, starts: list[int], token_lists: list[list[int]], attn_mask: torch.Tensor | None = None
+        self,
+        seqs,
+        starts: list[int],
+        token_lists: list[list[int]],
+        attn_mask: torch.Tensor | None = None,
+        batch_invariant: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Inputs for computing ``token_lists[i]`` at positions ``starts[i]...`` of ``seqs[i]``.
 
@@ -85,6 +103,7 @@ class ModelRunner:
             q_max=q_max,
             pad_index=pad_index,
             unpad_index=unpad_index,
+            batch_invariant=batch_invariant,
         )
         return ids_t, pos_t, meta
 
@@ -96,9 +115,15 @@ class ModelRunner:
         token_lists: list[list[int]],
         logits_rows: list[int],
         attn_mask: torch.Tensor | None = None,
+        *,
+        decode: bool = True,
     ) -> torch.Tensor:
-        """Run the model and return float32 logits of the flat rows ``logits_rows``."""
-        ids, pos, meta = self.prepare(seqs, starts, token_lists, attn_mask)
+        """Run the model and return float32 logits of the flat rows ``logits_rows``.
+
+        ``seqs`` are objects with a ``block_table``; ``decode`` marks decode/verify passes, which
+        use batch-invariant attention in deterministic mode (prefill passes never need it)."""
+        invariant = self.deterministic and decode
+        ids, pos, meta = self.prepare(seqs, starts, token_lists, attn_mask, invariant)
         hidden = self.model(ids, pos, self.kv_caches, meta)
         if len(logits_rows) != hidden.shape[0]:
             hidden = hidden.index_select(0, torch.tensor(logits_rows, dtype=torch.long, device=self.device))
@@ -113,7 +138,7 @@ class ModelRunner:
             offset += n
             if samples:
                 rows.append(offset - 1)
-        logits = self.forward(batch.seqs, starts, tokens, rows)
+        logits = self.forward(batch.seqs, starts, tokens, rows, decode=not batch.is_prefill)
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_cached_tokens += n
         return logits

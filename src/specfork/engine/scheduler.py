@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specfork.engine.block_manager import BlockManager
@@ -31,8 +32,16 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        on_release: Callable[[Sequence], None] | None = None,
+    ) -> None:
         self.blocks = block_manager
+        self.on_release = on_release  # told when a sequence's KV is dropped (preempted or finished)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -105,7 +114,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         logger.debug("preempting sequence %d (%d tokens) to free KV blocks", seq.seq_id, len(seq))
         self.running.remove(seq)
-        self.blocks.free(seq)
+        self._free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -116,5 +125,10 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.blocks.free(seq)
+        self._free(seq)
         seq.status = SequenceStatus.FINISHED
+
+    def _free(self, seq: Sequence) -> None:
+        self.blocks.free(seq)
+        if self.on_release is not None:
+            self.on_release(seq)

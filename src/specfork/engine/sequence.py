@@ -36,6 +36,8 @@ class Sequence:
         self.num_cached_tokens = 0
         self.finish_reason: str | None = None
         self.num_preemptions = 0
+        # Step-specific counters (e.g. speculation); values with ``as_metrics()`` reach the output.
+        self.stats: dict = {}
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None

@@ -20,6 +20,14 @@ class Step(Protocol):
         """Run the batch; return the new tokens of every sequence that produced some."""
         ...
 
+    def committed(self, seq: Sequence) -> None:
+        """The engine appended the tokens of this step to ``seq`` (possibly fewer, at a stop)."""
+        ...
+
+    def release(self, seq: Sequence) -> None:
+        """``seq`` finished or was preempted: free any state the step holds for it."""
+        ...
+
 
 def sampling_tensors(seqs: list[Sequence], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row temperature, top-k and top-p (greedy rows get temperature 1; callers argmax them)."""
@@ -56,3 +64,9 @@ class AutoregressiveStep:
         if not sampling:
             return {}
         return {s: [t] for s, t in zip(sampling, sample_tokens(logits, sampling), strict=True)}
+
+    def committed(self, seq: Sequence) -> None:
+        pass
+
+    def release(self, seq: Sequence) -> None:
+        pass

@@ -33,6 +33,7 @@ class AttentionMetadata:
     q_max: int  # longest query run in the batch
     pad_index: torch.Tensor | None  # [B * q_max] int64 into the flat T tokens; None if no padding
     unpad_index: torch.Tensor | None  # [T] int64 into the padded B * q_max grid
+    batch_invariant: bool = False  # use paged_attention_invariant (bit-identical whatever the batch)
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -42,20 +43,64 @@ def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping
     cache[1].view(num_blocks * block_size, hkv, d).index_copy_(0, slot_mapping, v)
 
 
-def paged_attention_sdpa(
-    q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float
-) -> torch.Tensor:
-    """Reference backend. q: [T, Hq, D] -> out: [T, Hq, D]."""
+def paged_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    if meta.batch_invariant:
+        return paged_attention_invariant(q, cache, meta, scale)
+    return paged_attention_sdpa(q, cache, meta, scale)
+
+
+def _gather(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata):
+    """Padded queries [B, q_max, Hq, D] and each sequence's keys/values [B, k_max, Hkv, D]."""
     t, hq, d = q.shape
     bsz = meta.block_tables.shape[0]
-    block_size, hkv = cache.shape[2], cache.shape[3]
-    # Gather each sequence's blocks: [B, max_blocks * block_size, Hkv, D], cut to k_max.
+    hkv = cache.shape[3]
     keys = cache[0][meta.block_tables].view(bsz, -1, hkv, d)[:, : meta.k_max]
     values = cache[1][meta.block_tables].view(bsz, -1, hkv, d)[:, : meta.k_max]
     if meta.pad_index is None:
         qp = q.view(bsz, meta.q_max, hq, d)
     else:
         qp = q.index_select(0, meta.pad_index).view(bsz, meta.q_max, hq, d)
+    return qp, keys, values
+
+
+def _unpad(out: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    bsz, q_max, hq, d = out.shape
+    out = out.reshape(bsz * q_max, hq, d)
+    return out if meta.unpad_index is None else out.index_select(0, meta.unpad_index)
+
+
+def paged_attention_invariant(
+    q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Batch-invariant backend: a query's output is bit-identical whether it is computed alone
+    (decode), inside a multi-token window (verification) or next to other sequences.
+
+    Dot products reduce over head_dim with the same shape for every query, and both sums over
+    keys are sequential scans (``cumsum``), to which masked keys add exact zeros. Costs
+    O(q * k * head_dim) memory per layer, so it serves decode and verify steps, not prefill.
+    """
+    qp, keys, values = _gather(q, cache, meta)
+    bsz, q_max, hq, d = qp.shape
+    k_max, hkv = keys.shape[1], keys.shape[2]
+    group = hq // hkv
+    qg = qp.reshape(bsz, q_max, hkv, group, 1, d)
+    kk = keys.permute(0, 2, 1, 3).reshape(bsz, 1, hkv, 1, k_max, d)
+    scores = (qg * kk).sum(-1) * scale  # [B, q_max, Hkv, group, k_max]
+    if meta.mask is not None:
+        scores = scores.masked_fill(~meta.mask.view(bsz, q_max, 1, 1, k_max), float("-inf"))
+    weights = (scores - scores.amax(-1, keepdim=True)).exp()
+    denom = weights.cumsum(-1)[..., -1:]
+    vv = values.permute(0, 2, 1, 3).reshape(bsz, 1, hkv, 1, k_max, d)
+    numer = (weights.unsqueeze(-1) * vv).cumsum(-2)[..., -1, :]
+    return _unpad((numer / denom).reshape(bsz, q_max, hq, d), meta)
+
+
+def paged_attention_sdpa(
+    q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Reference backend. q: [T, Hq, D] -> out: [T, Hq, D]."""
+    qp, keys, values = _gather(q, cache, meta)
+    hq, hkv = qp.shape[2], keys.shape[2]
     out = F.scaled_dot_product_attention(
         qp.transpose(1, 2),
         keys.transpose(1, 2),
@@ -64,7 +109,4 @@ def paged_attention_sdpa(
         scale=scale,
         enable_gqa=hq != hkv,
     )  # [B, Hq, q_max, D]
-    out = out.transpose(1, 2).reshape(bsz * meta.q_max, hq, d)
-    if meta.unpad_index is None:
-        return out
-    return out.index_select(0, meta.unpad_index)
+    return _unpad(out.transpose(1, 2), meta)

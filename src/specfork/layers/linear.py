@@ -15,6 +15,9 @@ class DenseLinear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        # Batch-invariant mode: BLAS picks another kernel (and summation order) for very few
+        # rows, so pad to at least this many rows; every row is then computed the same way.
+        self.min_rows = 1
 
     @property
     def in_features(self) -> int:
@@ -25,7 +28,21 @@ class DenseLinear(nn.Module):
         return self.weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        rows = x.shape[0]
+        if rows >= self.min_rows:
+            return F.linear(x, self.weight, self.bias)
+        padded = torch.cat([x, x.new_zeros(self.min_rows - rows, x.shape[1])])
+        return F.linear(padded, self.weight, self.bias)[:rows]
+
+
+BATCH_INVARIANT_MIN_ROWS = 8
+
+
+def set_batch_invariant(module: nn.Module, enabled: bool) -> None:
+    """Switch every linear layer under ``module`` to (or from) batch-invariant row padding."""
+    for m in module.modules():
+        if isinstance(m, DenseLinear):
+            m.min_rows = BATCH_INVARIANT_MIN_ROWS if enabled else 1
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:

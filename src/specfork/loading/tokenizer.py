@@ -23,6 +23,10 @@ class Tokenizer:
         return bool(getattr(self._tok, "chat_template", None))
 
     @property
+    def vocab(self) -> dict[str, int]:
+        return self._tok.get_vocab()
+
+    @property
     def eos_token_id(self) -> int | None:
         return self._tok.eos_token_id
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specfork.errors import ModelLoadError
-from specfork.layers.attention import AttentionMetadata, paged_attention_sdpa, write_kv
+from specfork.layers.attention import AttentionMetadata, paged_attention, write_kv
 from specfork.layers.linear import make_linear
 from specfork.layers.norm import RMSNorm
 from specfork.layers.rotary import RotaryEmbedding
@@ -59,7 +59,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
         write_kv(cache, k, v, meta.slot_mapping)
-        out = paged_attention_sdpa(q, cache, meta, self.scale)
+        out = paged_attention(q, cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
 
 

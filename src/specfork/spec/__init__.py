@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers (draft model, n-gram), lossless verification, the SD step."""

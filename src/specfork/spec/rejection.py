@@ -1,0 +1,73 @@
+"""Lossless verification of proposed tokens (speculative sampling).
+
+Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding", and Chen
+et al. 2023. For one sequence with proposals x_1..x_n drawn from draft distributions q_1..q_n,
+and target distributions p_1..p_{n+1} (after the very same temperature/top-k/top-p filter):
+
+* accept x_i with probability min(1, p_i(x_i) / q_i(x_i)), in order, stopping at the first
+  rejection; say m tokens are accepted;
+* if m < n, emit a *recovered* token drawn from norm(max(0, p_{m+1} - q_{m+1}));
+* if m == n, emit a *bonus* token drawn from p_{n+1}.
+
+The emitted tokens are distributed exactly as sampling from the target one token at a time.
+A proposal that was not sampled from a distribution (n-gram lookup, a cached guess) is verified
+as a one-hot q: accept x with probability p(x), else draw from p with x removed.
+
+Greedy requests accept while x_i == argmax p_i and emit argmax p_{m+1}.
+
+Worked example (V = 3, n = 1): q_1 = [0.2, 0.7, 0.1], p_1 = [0.5, 0.3, 0.2]. A token t is
+proposed with q(t) and kept with min(1, p(t)/q(t)), so it is emitted by acceptance with
+min(p, q) = [0.2, 0.3, 0.1] (total 0.6). With the remaining 0.4 the recovered token is drawn
+from max(0, p - q) / 0.4 = [0.75, 0, 0.25]. Emitted: [0.2 + 0.3, 0.3 + 0, 0.1 + 0.1] = p_1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class VerifyResult:
+    num_accepted: int  # m: proposals accepted
+    tokens: list[int]  # x_1..x_m followed by the recovered or bonus token (m + 1 tokens)
+
+
+def verify_greedy(target_argmax: list[int], proposed: list[int]) -> VerifyResult:
+    """target_argmax: argmax of p_1..p_{n+1} (n + 1 ids); proposed: x_1..x_n."""
+    m = 0
+    while m < len(proposed) and proposed[m] == target_argmax[m]:
+        m += 1
+    return VerifyResult(m, proposed[:m] + [target_argmax[m]])
+
+
+def verify_sampled(
+    target_probs: torch.Tensor,  # [n + 1, V] p_1..p_{n+1}
+    proposed: torch.Tensor,  # [n] int64 x_1..x_n
+    draft_probs: torch.Tensor | None,  # [n, V] q_1..q_n, or None: every proposal is one-hot
+    generator: torch.Generator,
+) -> VerifyResult:
+    """Speculative sampling for one sequence. Consumes n uniforms and one exponential vector
+    from ``generator`` whatever the outcome, so a seeded request stays reproducible."""
+    n = proposed.shape[0]
+    rows = torch.arange(n, device=target_probs.device)
+    p_x = target_probs[rows, proposed]
+    q_x = torch.ones_like(p_x) if draft_probs is None else draft_probs[rows, proposed]
+    u = torch.rand(n, generator=generator, device=target_probs.device)
+    # accept while u * q(x) <= p(x), i.e. u <= p/q (q(x) > 0 since x was drawn from q)
+    accepted = (u * q_x <= p_x).to(torch.int64)
+    m = int(accepted.cumprod(0).sum()) if n else 0
+    if m < n:
+        if draft_probs is None:
+            residual = target_probs[m].clone()
+            residual[proposed[m]] = 0.0
+        else:
+            residual = (target_probs[m] - draft_probs[m]).clamp_min_(0.0)
+        if float(residual.sum()) <= 0.0:  # p == q exactly: rejection had probability 0
+            residual = target_probs[m]
+    else:
+        residual = target_probs[n]
+    noise = torch.empty_like(residual).exponential_(generator=generator)
+    last = int((residual / noise).argmax())
+    return VerifyResult(m, proposed[:m].tolist() + [last])

@@ -1,0 +1,151 @@
+"""The speculative-decoding step: propose with a drafter, verify all proposals in one target
+forward pass, accept losslessly, and roll both KV caches back to the accepted tokens."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specfork.engine.model_runner import ModelRunner
+from specfork.engine.scheduler import ScheduledBatch
+from specfork.engine.sequence import Sequence
+from specfork.engine.step import sample_tokens, sampling_tensors
+from specfork.layers.sampler import logits_to_probs
+from specfork.spec.proposer import Proposal, Proposer
+from specfork.spec.rejection import verify_greedy, verify_sampled
+
+
+@dataclass
+class SpecTotals:
+    """Engine-wide counters (per-request counters live on each sequence's ``stats``)."""
+
+    rounds: int = 0
+    draft_time_s: float = 0.0
+    target_time_s: float = 0.0
+
+
+@dataclass
+class SpecStats:
+    """Speculation counters of one request."""
+
+    rounds: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    accepted_by_position: list[int] = field(default_factory=list)
+    proposed_by_position: list[int] = field(default_factory=list)
+    draft_time_s: float = 0.0
+    target_time_s: float = 0.0
+
+    def record(self, proposed: int, accepted: int, draft_s: float, target_s: float) -> None:
+        self.rounds += 1
+        self.proposed += proposed
+        self.accepted += accepted
+        self.emitted += accepted + 1
+        for pos in range(proposed):
+            if pos >= len(self.proposed_by_position):
+                self.proposed_by_position.append(0)
+                self.accepted_by_position.append(0)
+            self.proposed_by_position[pos] += 1
+            self.accepted_by_position[pos] += int(pos < accepted)
+        self.draft_time_s += draft_s
+        self.target_time_s += target_s
+
+    def as_metrics(self) -> dict:
+        return {
+            "spec_rounds": self.rounds,
+            "draft_tokens_proposed": self.proposed,
+            "draft_tokens_accepted": self.accepted,
+            "acceptance_rate": self.accepted / self.proposed if self.proposed else None,
+            "mean_accepted_length": self.emitted / self.rounds if self.rounds else None,
+            "acceptance_by_position": [
+                a / p if p else None for a, p in zip(self.accepted_by_position, self.proposed_by_position, strict=True)
+            ],
+            "draft_time_s": self.draft_time_s,
+            "target_time_s": self.target_time_s,
+        }
+
+
+class SpeculativeStep:
+    """One round per decode step: each sequence gets up to ``k`` proposals verified together."""
+
+    def __init__(self, target: ModelRunner, proposer: Proposer, *, k: int, max_model_len: int) -> None:
+        self.target = target
+        self.proposer = proposer
+        self.k = k
+        self.lookahead = k
+        self.max_model_len = max_model_len
+        self.totals = SpecTotals()
+
+    def execute(self, batch: ScheduledBatch) -> dict[Sequence, list[int]]:
+        if batch.is_prefill:
+            logits = self.target.run_batch(batch)
+            sampling = [s for s, samples in zip(batch.seqs, batch.samples, strict=True) if samples]
+            return {s: [t] for s, t in zip(sampling, sample_tokens(logits, sampling), strict=True)}
+        seqs = batch.seqs
+        budgets = [self._budget(s) for s in seqs]
+        t0 = time.perf_counter()
+        proposal = self.proposer.propose(seqs, budgets)
+        t1 = time.perf_counter()
+        logits = self._score(seqs, proposal)
+        t2 = time.perf_counter()
+        results = self._verify(seqs, proposal, logits)
+        draft_s, target_s = t1 - t0, t2 - t1
+        self.totals.rounds += 1
+        self.totals.draft_time_s += draft_s
+        self.totals.target_time_s += target_s
+        out = {}
+        for seq, props, result in zip(seqs, proposal.tokens, results, strict=True):
+            # The last committed token and the accepted proposals are now in the target cache.
+            seq.num_cached_tokens += 1 + result.num_accepted
+            stats = seq.stats.setdefault("spec", SpecStats())
+            stats.record(len(props), result.num_accepted, draft_s, target_s)
+            out[seq] = result.tokens
+        return out
+
+    def committed(self, seq: Sequence) -> None:
+        """The engine appended this round's tokens to ``seq``."""
+        self.proposer.accepted(seq)
+
+    def release(self, seq: Sequence) -> None:
+        self.proposer.release(seq)
+
+    def _budget(self, seq: Sequence) -> int:
+        """Proposals worth verifying: never past max_tokens or the context length."""
+        left = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq))
+        return max(0, min(self.k, left - 1))
+
+    def _score(self, seqs: list[Sequence], proposal: Proposal) -> torch.Tensor:
+        """Target logits of every verify position, [sum(n_i + 1), V]: one forward over the last
+        committed token followed by the proposals of each sequence."""
+        starts = [s.num_cached_tokens for s in seqs]
+        feeds = [s.token_ids[st:] + props for s, st, props in zip(seqs, starts, proposal.tokens, strict=True)]
+        rows = list(range(sum(len(f) for f in feeds)))
+        return self.target.forward(seqs, starts, feeds, rows)
+
+    def _verify(self, seqs: list[Sequence], proposal: Proposal, logits: torch.Tensor):
+        spans, offset = [], 0  # (first logits row, rows) of each sequence
+        for props in proposal.tokens:
+            spans.append((offset, len(props) + 1))
+            offset += len(props) + 1
+        sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        target_probs = {}
+        if sampled:
+            # Filter every verify position with its request's own settings, as AR sampling does.
+            idx = torch.cat([torch.arange(spans[i][0], sum(spans[i])) for i in sampled]).to(logits.device)
+            per_row = [seqs[i] for i in sampled for _ in range(spans[i][1])]
+            probs = logits_to_probs(logits.index_select(0, idx), *sampling_tensors(per_row, logits.device))
+            target_probs = dict(zip(sampled, probs.split([spans[i][1] for i in sampled]), strict=True))
+        argmax = logits.argmax(dim=-1).tolist()
+        results = []
+        for i, (seq, props) in enumerate(zip(seqs, proposal.tokens, strict=True)):
+            first, rows = spans[i]
+            if seq.params.greedy:
+                results.append(verify_greedy(argmax[first : first + rows], props))
+                continue
+            q = None if proposal.probs is None else proposal.probs[i, : len(props)]
+            proposed = torch.tensor(props, dtype=torch.long, device=logits.device)
+            results.append(verify_sampled(target_probs[i], proposed, q, seq.generator))
+        return results
