@@ -36,6 +36,19 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV-cache capacity in tokens over all sequences (default: 16384)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output (default: the model's context length, capped by the KV cache)")
+    s = p.add_argument_group("speculative decoding")
+    s.add_argument("--mode", default="ar", choices=["ar", "sd"],
+                   help="ar: autoregressive; sd: speculative decoding (a drafter proposes --k tokens, the "
+                   "model verifies them in one pass; output distribution unchanged) (default: ar)")
+    s.add_argument("--drafter", default="draft", choices=["draft", "ngram"],
+                   help="SD proposer: a draft model (--draft) or n-gram prompt lookup (default: draft)")
+    s.add_argument("--draft", default=None, help="draft model for --drafter draft: HF directory or .gguf file "
+                   "sharing the target's vocabulary")
+    s.add_argument("--k", type=int, default=5, help="tokens proposed per SD round (default: 5)")
+    s.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram matched by --drafter ngram (default: 1)")
+    s.add_argument("--ngram-max", type=int, default=4, help="longest n-gram matched by --drafter ngram (default: 4)")
+    s.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant kernels: greedy SD output is bit-identical to AR output (slower)")
     g.add_argument("--seed", type=int, default=None,
                    help="sampling seed of every request (default: a per-request seed derived from 0)")
 
@@ -50,6 +63,13 @@ def _engine_options(args: argparse.Namespace) -> dict:
         "block_size": args.block_size,
         "kv_cache_tokens": args.kv_cache_tokens,
         "max_model_len": args.max_model_len,
+        "mode": args.mode,
+        "drafter": args.drafter,
+        "draft": args.draft,
+        "k": args.k,
+        "ngram_min": args.ngram_min,
+        "ngram_max": args.ngram_max,
+        "deterministic": args.deterministic,
     }
 
 
@@ -66,7 +86,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specfork",
-        description="specfork: exact speculative decoding (AR today; SD and SSD build on it). "
+        description="specfork: exact speculative decoding (AR and SD; SSD builds on them). "
         "Run `specfork generate` to generate with the embedded SmolLM2-135M model.",
     )
     parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")

@@ -18,6 +18,11 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         return inv_freq
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
+    if kind == "freq_factors":  # GGUF rope_freqs: one divisor per frequency
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"rope_freqs has {factors.numel()} factors, expected {inv_freq.numel()}")
+        return inv_freq / factors
     if kind == "llama3":
         factor = float(scaling["factor"])
         low = float(scaling.get("low_freq_factor", 1.0))

