@@ -1,0 +1,47 @@
+"""Text-level behaviour on the embedded SmolLM2 model: stop strings, chat, streaming, and
+n-gram speculative decoding on HumanEval prompts (bit-identical to AR in deterministic mode)."""
+
+import pytest
+
+from specfork import LLM, SamplingParams
+from test_embedded_model import humaneval_prompts
+
+
+@pytest.fixture(scope="module")
+def ar_det():
+    return LLM(deterministic=True)
+
+
+def test_stop_string_cuts_text_and_finishes(ar_det):
+    free = ar_det.chat([{"role": "user", "content": "Count from 1 to 20, separated by commas."}],
+                       SamplingParams(temperature=0.0, max_tokens=60))[0]
+    assert "5" in free.text
+    stop = ar_det.chat([{"role": "user", "content": "Count from 1 to 20, separated by commas."}],
+                       SamplingParams(temperature=0.0, max_tokens=60, stop=("5",)))[0]
+    assert stop.finish_reason == "stop"
+    assert "5" not in stop.text and free.text.startswith(stop.text)
+    assert len(stop.token_ids) < len(free.token_ids)
+
+
+def test_chat_reply_is_sensible(ar_det):
+    out = ar_det.chat([{"role": "user", "content": "What is the capital of France?"}],
+                      SamplingParams(temperature=0.0, max_tokens=32))[0]
+    assert "Paris" in out.text and out.finish_reason == "stop" and out.token_ids[-1] == 2
+
+
+def test_stream_yields_the_final_text(ar_det):
+    ids = ar_det.engine.encode_chat([{"role": "user", "content": "Name three colors."}])
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    pieces = list(ar_det.stream(ids, params))
+    assert len(pieces) > 3 and "".join(pieces) == ar_det.last_output.text
+    assert ar_det.generate([ids], params)[0].text == ar_det.last_output.text
+
+
+def test_ngram_sd_equals_ar_on_humaneval(ar_det):
+    prompts = humaneval_prompts(4)
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    ar = [o.token_ids for o in ar_det.generate(prompts, params)]
+    sd = LLM(mode="sd", drafter="ngram", k=5, deterministic=True)
+    outs = sd.generate(prompts, params)
+    assert [o.token_ids for o in outs] == ar
+    assert sum(o.metrics["draft_tokens_accepted"] for o in outs) > 10
