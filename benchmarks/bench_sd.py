@@ -1,0 +1,123 @@
+"""AR vs n-gram speculative decoding on the embedded model, with transformers' prompt-lookup
+assisted generation for comparison.
+
+Greedy, batch 1, fixed output length (EOS ignored), HumanEval and held-out ShareGPT prompts.
+Prints tokens/s per engine and mode, mean accepted length, speedups and whether SD reproduced
+AR's tokens.
+
+    python benchmarks/bench_sd.py --num-prompts 4 --max-tokens 256 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import time
+
+import torch
+
+from specfork import LLM, SamplingParams
+from specfork.bench.datasets import encode, load_prompts
+from specfork.loading.resolve import resolve_checkpoint
+
+
+def run_specfork(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # warm-up
+    rows = []
+    for ids in prompts:
+        start = time.perf_counter()
+        out = llm.generate([ids], params)[0]
+        elapsed = time.perf_counter() - start
+        rows.append({"tokens": out.token_ids, "time_s": elapsed, "metrics": out.metrics})
+    return rows
+
+
+def run_transformers(prompts: list[list[int]], max_tokens: int, lookup: int | None) -> list[dict]:
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_checkpoint("smollm2-135m").path
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    kwargs = dict(do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=2)
+    if lookup:
+        kwargs["prompt_lookup_num_tokens"] = lookup
+    rows = []
+    with torch.inference_mode():
+        model.generate(torch.tensor([prompts[0]]), **{**kwargs, "max_new_tokens": 8, "min_new_tokens": 8})
+        for ids in prompts:
+            start = time.perf_counter()
+            out = model.generate(torch.tensor([ids]), **kwargs)
+            elapsed = time.perf_counter() - start
+            rows.append({"tokens": out[0, len(ids):].tolist(), "time_s": elapsed})
+    return rows
+
+
+def summarize(rows: list[dict]) -> dict:
+    tokens = sum(len(r["tokens"]) for r in rows)
+    seconds = sum(r["time_s"] for r in rows)
+    out = {"tok_per_s": tokens / seconds, "tokens": tokens, "time_s": seconds}
+    lengths = [r["metrics"]["mean_accepted_length"] for r in rows if r.get("metrics", {}).get("mean_accepted_length")]
+    if lengths:
+        m = [r["metrics"] for r in rows]
+        out["mean_accepted_length"] = sum(x["num_generated_tokens"] - 1 for x in m) / sum(x["spec_rounds"] for x in m)
+        out["acceptance_rate"] = sum(x["draft_tokens_accepted"] for x in m) / max(1, sum(x["draft_tokens_proposed"] for x in m))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-prompts", type=int, default=4, help="prompts per dataset (default 4)")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--k", type=int, default=5, help="n-gram proposals per round (default 5)")
+    parser.add_argument("--lookup", type=int, default=10, help="transformers prompt_lookup_num_tokens (default 10)")
+    parser.add_argument("--datasets", default="humaneval,sharegpt")
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--json", help="write results to this file")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    ar = LLM(threads=args.threads)
+    sd = LLM(threads=args.threads, mode="sd", drafter="ngram", k=args.k)
+    results = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
+                           "torch": torch.__version__},
+               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                        text=True).stdout.strip(),
+               "args": vars(args), "datasets": {}}
+    for dataset in args.datasets.split(","):
+        prompts = [encode(ar, p) for p in load_prompts(dataset, "eval", args.num_prompts)]
+        runs = {"specfork AR": run_specfork(ar, prompts, args.max_tokens),
+                f"specfork SD ngram k={args.k}": run_specfork(sd, prompts, args.max_tokens)}
+        if not args.skip_transformers:
+            runs["transformers AR"] = run_transformers(prompts, args.max_tokens, None)
+            runs[f"transformers prompt-lookup {args.lookup}"] = run_transformers(prompts, args.max_tokens, args.lookup)
+        ar_tokens = [r["tokens"] for r in runs["specfork AR"]]
+        summary = {}
+        for name, rows in runs.items():
+            s = summarize(rows)
+            s["match_ar"] = sum(r["tokens"] == t for r, t in zip(rows, ar_tokens, strict=True)) / len(rows)
+            summary[name] = s
+        results["datasets"][dataset] = summary
+        base = summary["specfork AR"]["tok_per_s"]
+        print(f"\n{dataset}: {len(prompts)} prompts x {args.max_tokens} tokens, greedy, batch 1, "
+              f"{args.threads} threads")
+        print(f"{'engine / mode':36s} {'tok/s':>8s} {'vs specfork AR':>15s} {'accept len':>11s} {'= AR':>6s}")
+        for name, s in summary.items():
+            acc = f"{s['mean_accepted_length']:.2f}" if "mean_accepted_length" in s else "-"
+            print(f"{name:36s} {s['tok_per_s']:8.2f} {s['tok_per_s'] / base:14.2f}x {acc:>11s} "
+                  f"{s['match_ar']:6.0%}")
+    if len(results["datasets"]) > 1:
+        names = list(next(iter(results["datasets"].values())))
+        print("\nmean over datasets:")
+        for name in names:
+            print(f"{name:36s} {statistics.mean(d[name]['tok_per_s'] for d in results['datasets'].values()):8.2f} tok/s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

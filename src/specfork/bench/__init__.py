@@ -1,0 +1,1 @@
+"""Datasets, metrics and runners behind the benchmarks."""
