@@ -16,12 +16,14 @@ import platform
 import statistics
 import subprocess
 import time
+from types import SimpleNamespace
 
 import torch
 
 from specfork import LLM, SamplingParams
 from specfork.bench.datasets import encode, load_prompts
 from specfork.loading.resolve import resolve_checkpoint
+from specfork.outputs import aggregate_metrics
 
 
 def run_specfork(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[dict]:
@@ -59,11 +61,10 @@ def summarize(rows: list[dict]) -> dict:
     tokens = sum(len(r["tokens"]) for r in rows)
     seconds = sum(r["time_s"] for r in rows)
     out = {"tok_per_s": tokens / seconds, "tokens": tokens, "time_s": seconds}
-    lengths = [r["metrics"]["mean_accepted_length"] for r in rows if r.get("metrics", {}).get("mean_accepted_length")]
-    if lengths:
-        m = [r["metrics"] for r in rows]
-        out["mean_accepted_length"] = sum(x["num_generated_tokens"] - 1 for x in m) / sum(x["spec_rounds"] for x in m)
-        out["acceptance_rate"] = sum(x["draft_tokens_accepted"] for x in m) / max(1, sum(x["draft_tokens_proposed"] for x in m))
+    if all(r.get("metrics", {}).get("spec_rounds") for r in rows):
+        agg = aggregate_metrics([SimpleNamespace(metrics=r["metrics"]) for r in rows])
+        out["mean_accepted_length"] = agg["mean_accepted_length"]
+        out["acceptance_rate"] = agg["acceptance_rate"]
     return out
 
 

@@ -165,6 +165,7 @@ def _encode_file_prompts(llm, prompts: list[dict], path: Path) -> list[list[int]
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from specfork import LLM, SamplingParams
+    from specfork.outputs import aggregate_metrics
 
     if args.prompt is None and args.prompts_file is None:
         args.prompt = "Write a Python function that checks whether a number is prime."
@@ -189,9 +190,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
             args.output.write_text("".join(line + "\n" for line in lines))
         else:
             print("\n".join(lines))
-        generated = sum(len(o.token_ids) for o in outputs)
-        print(f"{len(outputs)} prompts, {generated} tokens in {elapsed:.2f} s ({generated / elapsed:.1f} tok/s)",
-              file=sys.stderr)
+        agg = aggregate_metrics(outputs)
+        generated = agg["num_generated_tokens"]
+        summary = f"{len(outputs)} prompts, {generated} tokens in {elapsed:.2f} s ({generated / elapsed:.1f} tok/s)"
+        if "mean_accepted_length" in agg:
+            summary += (f"; SD: {agg['draft_tokens_accepted']}/{agg['draft_tokens_proposed']} drafts accepted, "
+                        f"mean accepted length {agg['mean_accepted_length']:.2f}")
+        print(summary, file=sys.stderr)
         return 0
     if args.raw or llm.tokenizer is None or not llm.tokenizer.has_chat_template:
         ids = llm.engine.encode_prompt(args.prompt)

@@ -15,3 +15,28 @@ class RequestOutput:
     text: str
     finish_reason: str  # "stop" (EOS, stop token or stop string) or "length"
     metrics: dict = field(default_factory=dict)
+
+
+def aggregate_metrics(outputs: list[RequestOutput]) -> dict:
+    """Totals over requests: tokens, and for speculative runs the pooled acceptance figures."""
+    m = [o.metrics for o in outputs]
+    agg = {
+        "num_requests": len(m),
+        "num_prompt_tokens": sum(x["num_prompt_tokens"] for x in m),
+        "num_generated_tokens": sum(x["num_generated_tokens"] for x in m),
+    }
+    spec = [x for x in m if x.get("spec_rounds")]
+    if spec:
+        proposed = sum(x["draft_tokens_proposed"] for x in spec)
+        accepted = sum(x["draft_tokens_accepted"] for x in spec)
+        rounds = sum(x["spec_rounds"] for x in spec)
+        agg.update(
+            spec_rounds=rounds,
+            draft_tokens_proposed=proposed,
+            draft_tokens_accepted=accepted,
+            acceptance_rate=accepted / proposed if proposed else None,
+            mean_accepted_length=(accepted + rounds) / rounds,
+            draft_time_s=sum(x["draft_time_s"] for x in spec),
+            target_time_s=sum(x["target_time_s"] for x in spec),
+        )
+    return agg

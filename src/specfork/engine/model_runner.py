@@ -7,6 +7,7 @@ import torch
 
 from specfork.engine.scheduler import ScheduledBatch
 from specfork.layers.attention import AttentionMetadata
+from specfork.layers.cpu_kernels import paged_attention as native_paged_attention
 from specfork.layers.linear import set_batch_invariant
 from specfork.models.llama import LlamaForCausalLM
 
@@ -27,10 +28,13 @@ class ModelRunner:
         self.model = model
         self.deterministic = deterministic
         set_batch_invariant(model, deterministic)
+        dtype = model.embed_tokens.weight.dtype
+        self.native_decode_attention = (
+            device.type == "cpu" and dtype == torch.float32 and native_paged_attention() is not None
+        )
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
-        dtype = model.embed_tokens.weight.dtype
         # Zero-filled: masked-out slots are multiplied by 0 in attention, which needs finite values.
         self.kv_caches = [
             torch.zeros(2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
@@ -50,6 +54,7 @@ class ModelRunner:
         token_lists: list[list[int]],
         attn_mask: torch.Tensor | None = None,
         batch_invariant: bool = False,
+        decode: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Inputs for computing ``token_lists[i]`` at positions ``starts[i]...`` of ``seqs[i]``.
 
@@ -95,6 +100,11 @@ class ModelRunner:
             grid = [list(range(s, s + n)) + [0] * (q_max - n) for s, n in zip(starts, q_lens, strict=True)]
             qpos = torch.tensor(grid, dtype=torch.long, device=dev)  # [B, q_max]
             mask = (torch.arange(k_max, device=dev).view(1, 1, k_max) <= qpos.unsqueeze(2)).unsqueeze(1)
+        native = decode and attn_mask is None and self.native_decode_attention
+        seq_index = None
+        if native:
+            seq_index = torch.tensor([b for b, n in enumerate(q_lens) for _ in range(n)], dtype=torch.long, device=dev)
+            mask = pad_index = unpad_index = None
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
@@ -104,6 +114,9 @@ class ModelRunner:
             pad_index=pad_index,
             unpad_index=unpad_index,
             batch_invariant=batch_invariant,
+            native_decode=native,
+            seq_index=seq_index,
+            positions=pos_t,
         )
         return ids_t, pos_t, meta
 
@@ -123,7 +136,7 @@ class ModelRunner:
         ``seqs`` are objects with a ``block_table``; ``decode`` marks decode/verify passes, which
         use batch-invariant attention in deterministic mode (prefill passes never need it)."""
         invariant = self.deterministic and decode
-        ids, pos, meta = self.prepare(seqs, starts, token_lists, attn_mask, invariant)
+        ids, pos, meta = self.prepare(seqs, starts, token_lists, attn_mask, invariant, decode)
         hidden = self.model(ids, pos, self.kv_caches, meta)
         if len(logits_rows) != hidden.shape[0]:
             hidden = hidden.index_select(0, torch.tensor(logits_rows, dtype=torch.long, device=self.device))

@@ -4,7 +4,9 @@ The cache of one layer is a tensor ``[2, num_blocks, block_size, num_kv_heads, h
 (keys, then values). A sequence owns a list of blocks (its block table); token ``i`` of the
 sequence lives in block ``block_table[i // block_size]`` at offset ``i % block_size``.
 
-The reference backend gathers each sequence's blocks and runs
+The native CPU kernel (``csrc/paged_attention.cpp``) serves decode and verification steps:
+it reads keys and values through the block table without copying and is batch-invariant by
+construction. The reference backend gathers each sequence's blocks and runs
 ``torch.nn.functional.scaled_dot_product_attention`` with an explicit boolean mask, so causal
 prefill, decode, multi-token verification windows and tree masks are all the same code path:
 the caller states which keys each query may see.
@@ -16,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from specfork.layers.cpu_kernels import paged_attention as native_paged_attention
 
 
 @dataclass(slots=True)
@@ -34,6 +38,11 @@ class AttentionMetadata:
     pad_index: torch.Tensor | None  # [B * q_max] int64 into the flat T tokens; None if no padding
     unpad_index: torch.Tensor | None  # [T] int64 into the padded B * q_max grid
     batch_invariant: bool = False  # use paged_attention_invariant (bit-identical whatever the batch)
+    # Native CPU decode kernel (causal, reads the paged cache directly): set for decode/verify
+    # steps without an explicit mask when the kernel is available.
+    native_decode: bool = False
+    seq_index: torch.Tensor | None = None  # [T] int64: the sequence (row of block_tables) of each token
+    positions: torch.Tensor | None = None  # [T] int64: each token's position (it sees keys 0..position)
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -44,6 +53,9 @@ def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping
 
 
 def paged_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    if meta.native_decode:
+        kernels = native_paged_attention()
+        return kernels.paged_attention_decode(q, cache, meta.block_tables, meta.seq_index, meta.positions, scale)
     if meta.batch_invariant:
         return paged_attention_invariant(q, cache, meta, scale)
     return paged_attention_sdpa(q, cache, meta, scale)

@@ -10,35 +10,45 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "small_m_gemm.cpp"
+_CSRC = Path(__file__).parent / "csrc"
 
 
 def build_directory() -> Path:
     return Path.home() / ".cache" / "specfork" / "kernels"
 
 
-@cache
-def small_m_gemm():
-    """The compiled module, or None when it cannot be built here (the caller falls back)."""
+def _build(name: str, source: str, fallback: str):
     try:
         from torch.utils.cpp_extension import load
 
-        directory = build_directory()
+        directory = build_directory() / name
         directory.mkdir(parents=True, exist_ok=True)
         return load(
-            name="specfork_small_m_gemm",
-            sources=[str(_SOURCE)],
+            name=f"specfork_{name}",
+            sources=[str(_CSRC / source)],
             build_directory=str(directory),
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as e:  # no compiler, no headers, ...: the fallback is exact, only slower
-        logger.warning("native small-M GEMM kernel unavailable (%s); using PyTorch matmul", e)
+        logger.warning("native kernel %s unavailable (%s); using %s", name, e, fallback)
         return None
+
+
+@cache
+def small_m_gemm():
+    """The compiled small-M GEMM module, or None when it cannot be built here."""
+    return _build("small_m_gemm", "small_m_gemm.cpp", "PyTorch matmul")
+
+
+@cache
+def paged_attention():
+    """The compiled paged-attention module, or None when it cannot be built here."""
+    return _build("paged_attention", "paged_attention.cpp", "gather + SDPA attention")
 
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO)
-    module = small_m_gemm()
-    raise SystemExit(0 if module is not None else 1)
+    built = [small_m_gemm(), paged_attention()]
+    raise SystemExit(0 if all(m is not None for m in built) else 1)
