@@ -3,8 +3,8 @@ speculative decoding against AR, bf16 generation."""
 
 import pytest
 import torch
-
 from helpers import assert_greedy_match
+
 from specfork import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu

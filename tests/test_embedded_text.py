@@ -2,9 +2,9 @@
 n-gram speculative decoding on HumanEval prompts (bit-identical to AR in deterministic mode)."""
 
 import pytest
+from test_embedded_model import humaneval_prompts
 
 from specfork import LLM, SamplingParams
-from test_embedded_model import humaneval_prompts
 
 
 @pytest.fixture(scope="module")

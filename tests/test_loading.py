@@ -2,9 +2,9 @@
 a chat template, and explicit attention masks through the paged cache."""
 
 import torch
+from conftest import randomize_
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-from conftest import randomize_
 from specfork import LLM, SamplingParams
 from specfork.engine.sequence import Sequence
 from specfork.loading.resolve import resolve_checkpoint

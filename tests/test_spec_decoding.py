@@ -4,9 +4,9 @@ import json
 
 import pytest
 import torch
-
 from conftest import build_tiny_checkpoint
 from helpers import assert_greedy_match
+
 from specfork import LLM, ModelLoadError, SamplingParams, SpecforkError
 from specfork.engine.sequence import Sequence
 from specfork.spec.ngram import NgramProposer, ngram_lookup

@@ -9,11 +9,12 @@ from itertools import product
 
 import pytest
 import torch
-
 from conftest import _llama, randomize_
+
 from specfork import LLM, SamplingParams
 from specfork.layers.sampler import logits_to_probs
-from specfork.spec import rejection, step as spec_step
+from specfork.spec import rejection
+from specfork.spec import step as spec_step
 
 VOCAB = 8
 PROMPT = [1, 3, 5]

@@ -37,17 +37,25 @@ def sampling_tensors(seqs: list[Sequence], device: torch.device) -> tuple[torch.
     return temp, top_k, top_p
 
 
-def sample_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+def sample_with_probs(
+    logits: torch.Tensor, seqs: list[Sequence]
+) -> tuple[list[int], list[int], torch.Tensor | None]:
     """One token per row of ``logits`` [N, V]: argmax for greedy requests, otherwise a draw from
-    the filtered distribution with the request's own generator."""
+    the filtered distribution with the request's own generator. Also returns which rows were
+    sampled and the distributions they were drawn from ([len(sampled), V], or None)."""
     tokens = logits.argmax(dim=-1)
     sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    probs = None
     if sampled:
         rows = [seqs[i] for i in sampled]
         idx = torch.tensor(sampled, device=logits.device)
         probs = logits_to_probs(logits.index_select(0, idx), *sampling_tensors(rows, logits.device))
         tokens[idx] = sample_from_probs(probs, [s.generator for s in rows])
-    return tokens.tolist()
+    return tokens.tolist(), sampled, probs
+
+
+def sample_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    return sample_with_probs(logits, seqs)[0]
 
 
 class AutoregressiveStep:

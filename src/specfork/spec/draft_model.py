@@ -10,9 +10,8 @@ import torch
 from specfork.engine.block_manager import BlockManager
 from specfork.engine.model_runner import ModelRunner
 from specfork.engine.sequence import Sequence
-from specfork.engine.step import sampling_tensors
+from specfork.engine.step import sample_with_probs
 from specfork.errors import ModelLoadError
-from specfork.layers.sampler import logits_to_probs, sample_from_probs
 from specfork.loading import LoadedModel
 from specfork.spec.proposer import Proposal
 
@@ -86,16 +85,12 @@ class DraftModelProposer:
         return Proposal(tokens, probs)
 
     def _sample(self, logits, seqs, probs, rows, step) -> list[int]:
-        out = logits.argmax(dim=-1)
-        sampled = [j for j, s in enumerate(seqs) if not s.params.greedy]
-        if sampled:
-            sub = [seqs[j] for j in sampled]
-            idx = torch.tensor(sampled, device=logits.device)
-            q = logits_to_probs(logits.index_select(0, idx), *sampling_tensors(sub, logits.device))
-            out[idx] = sample_from_probs(q, [s.generator for s in sub])
-            for j, row in zip(sampled, q, strict=True):
-                probs[rows[j], step] = row
-        return out.tolist()
+        """Draft tokens for ``seqs``; the distributions q they were drawn from go into
+        ``probs[rows[j], step]``."""
+        tokens, sampled, q = sample_with_probs(logits, seqs)
+        for j, row in zip(sampled, q if q is not None else [], strict=True):
+            probs[rows[j], step] = row
+        return tokens
 
     def _state(self, seq: Sequence) -> DraftState:
         st = self._states.get(seq.seq_id)
