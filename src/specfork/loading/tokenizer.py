@@ -19,6 +19,14 @@ class Tokenizer:
         self._tok = hf_tokenizer
 
     @property
+    def hf(self):
+        """The underlying transformers tokenizer (to save it next to a trained draft)."""
+        return self._tok
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._tok.pad_token_id
+
     def has_chat_template(self) -> bool:
         return bool(getattr(self._tok, "chat_template", None))
 

@@ -1,0 +1,1 @@
+"""Training a draft model for a target: data from the target itself, distillation, export."""

@@ -1,0 +1,172 @@
+"""``specfork train-draft``: data generation, training, saving, and a final acceptance check.
+
+Everything lives under ``work_dir`` (``data/`` shards, ``checkpoints/``), so running the same
+command again after an interruption resumes: finished shards are kept, training continues
+from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from specfork.errors import SpecforkError
+from specfork.training.data import generate_examples, training_prompts
+from specfork.training.trainer import (
+    DraftArch,
+    DraftTrainer,
+    TrainSettings,
+    build_draft,
+    evaluate_tokens,
+    save_draft,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class DataSettings:
+    num_prompts: int = 1536
+    code_fraction: float = 0.5
+    max_new_tokens: int = 256
+    max_prompt_tokens: int = 384
+    shard_size: int = 64
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_prompts < 1:
+            raise SpecforkError(f"num_prompts must be >= 1, got {self.num_prompts}")
+        if not 0.0 <= self.code_fraction <= 1.0:
+            raise SpecforkError(f"code_fraction must be in [0, 1], got {self.code_fraction}")
+        if self.max_new_tokens < 1 or self.max_prompt_tokens < 1 or self.shard_size < 1:
+            raise SpecforkError("max_new_tokens, max_prompt_tokens and shard_size must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class TrainDraftJob:
+    target: str
+    output: Path
+    work_dir: Path
+    data: DataSettings = field(default_factory=DataSettings)
+    arch: DraftArch = field(default_factory=DraftArch)
+    train: TrainSettings = field(default_factory=TrainSettings)
+    device: str = "cpu"
+    threads: int | None = None
+    generation_batch: int = 32
+    eval_prompts: int = 4
+    eval_tokens: int = 128
+    progress: bool = True
+
+
+def generate_data(job: TrainDraftJob, llm) -> list:
+    d = job.data
+    manifest = {"target": job.target, **asdict(d)}
+    prompts = training_prompts(d.num_prompts, d.seed, d.code_fraction)
+    if len(prompts) < d.num_prompts:
+        logger.warning("only %d training prompts available (asked for %d)", len(prompts), d.num_prompts)
+    return generate_examples(
+        llm,
+        prompts,
+        job.work_dir / "data",
+        max_new_tokens=d.max_new_tokens,
+        max_prompt_tokens=d.max_prompt_tokens,
+        manifest=manifest,
+        shard_size=d.shard_size,
+        progress=job.progress,
+    )
+
+
+def target_llm(job: TrainDraftJob):
+    from specfork import LLM
+
+    d = job.data
+    return LLM(
+        job.target,
+        device=job.device,
+        threads=job.threads,
+        max_num_seqs=job.generation_batch,
+        kv_cache_tokens=job.generation_batch * (d.max_prompt_tokens + d.max_new_tokens + 16),
+    )
+
+
+def acceptance_check(job: TrainDraftJob) -> dict:
+    """Mean accepted length of greedy SD (k = 5) with the new draft on held-out prompts."""
+    from specfork import LLM, SamplingParams
+    from specfork.bench.datasets import encode, load_prompts
+    from specfork.outputs import aggregate_metrics
+
+    if job.eval_prompts < 1:
+        return {}
+    llm = LLM(job.target, device=job.device, threads=job.threads, mode="sd", draft=str(job.output), k=5)
+    params = SamplingParams(temperature=0.0, max_tokens=job.eval_tokens, ignore_eos=True)
+    result = {}
+    for dataset in ("humaneval", "sharegpt"):
+        prompts = load_prompts(dataset, "eval", job.eval_prompts)
+        outputs = llm.generate([encode(llm, p) for p in prompts], params)
+        agg = aggregate_metrics(outputs)
+        result[dataset] = {
+            "prompts": len(prompts),
+            "tokens_per_prompt": job.eval_tokens,
+            "mean_accepted_length": agg["mean_accepted_length"],
+            "acceptance_rate": agg["acceptance_rate"],
+        }
+    return result
+
+
+def train_draft(job: TrainDraftJob, command: str = "") -> dict:
+    """Run the whole job; returns the provenance written next to the draft."""
+    if job.threads:
+        torch.set_num_threads(job.threads)
+    started = time.time()
+    llm = target_llm(job)
+    t0 = time.time()
+    examples = generate_data(job, llm)
+    data_seconds = time.time() - t0
+    tokenizer = llm.tokenizer
+    target = llm.engine.loaded
+    pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+    torch.manual_seed(job.train.seed)
+    model = build_draft(target, job.arch)
+    del llm
+    device = torch.device(job.device)
+    trainer = DraftTrainer(model, examples, job.train, job.work_dir / "checkpoints", pad_id, device)
+    trainer.try_resume()
+    t0 = time.time()
+    history = trainer.run(progress=job.progress)
+    train_seconds = time.time() - t0
+    metrics = evaluate_tokens(trainer.model, trainer.held_out, job.train, pad_id, device)
+    first = history[: max(1, len(history) // 20)]
+    last = history[-max(1, len(history) // 20) :]
+    provenance = {
+        "target": job.target,
+        "command": command,
+        "data": asdict(job.data),
+        "arch": asdict(job.arch),
+        "train": asdict(job.train),
+        "examples": {"train": len(trainer.train), "held_out": len(trainer.held_out)},
+        "response_tokens": sum(len(e.response_ids) for e in examples),
+        "train_steps": trainer.step,
+        "first_loss": sum(r["loss"] for r in first) / len(first),
+        "last_loss": sum(r["loss"] for r in last) / len(last),
+        **metrics,
+        "data_seconds_this_run": round(data_seconds, 1),
+        "train_seconds_this_run": round(train_seconds, 1),
+        "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
+        "torch": torch.__version__,
+    }
+    save_draft(trainer.model.cpu(), tokenizer.hf if tokenizer is not None else None, job.output, provenance)
+    provenance["acceptance"] = acceptance_check(job)
+    provenance["total_seconds_this_run"] = round(time.time() - started, 1)
+    save_draft_provenance(job.output, provenance)
+    return provenance
+
+
+def save_draft_provenance(output: Path, provenance: dict) -> None:
+    import json
+
+    (output / "specfork_draft.json").write_text(json.dumps(provenance, indent=2, sort_keys=True, default=str))

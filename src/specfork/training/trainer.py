@@ -1,0 +1,321 @@
+"""Distil a small Llama-architecture draft from a target model.
+
+The draft shares the target's tokenizer and vocabulary (so it can propose tokens the target
+verifies directly, and llama.cpp accepts it as a draft). It is trained with cross-entropy on
+the target's own greedy responses, i.e. to predict the token the target would pick, which is
+what greedy speculative decoding accepts. Its tied embedding is initialised from the target's
+embedding projected on its top ``hidden_size`` singular directions.
+
+Training runs on transformers' ``LlamaForCausalLM`` (autograd, standard HF checkpoint
+format); specfork loads the result like any HF checkpoint. Checkpoints are written every
+``checkpoint_every`` steps and a rerun with the same settings resumes from the last one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from specfork.errors import SpecforkError
+from specfork.training.data import Example
+
+logger = logging.getLogger(__name__)
+
+EVAL_BUCKETS = 13  # of 256: the share of generated examples kept out of training (~5%)
+
+
+@dataclass(frozen=True, slots=True)
+class DraftArch:
+    hidden_size: int = 256
+    num_layers: int = 4
+    intermediate_size: int = 768
+    num_heads: int = 4
+    num_kv_heads: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_layers", "intermediate_size", "num_heads", "num_kv_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise SpecforkError(f"draft {name} must be a positive integer, got {value!r}")
+        if self.hidden_size % self.num_heads:
+            raise SpecforkError(f"hidden_size ({self.hidden_size}) must be a multiple of num_heads ({self.num_heads})")
+        if self.num_heads % self.num_kv_heads:
+            raise SpecforkError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if (self.hidden_size // self.num_heads) % 2:
+            raise SpecforkError("hidden_size / num_heads (the head size) must be even for rotary embeddings")
+
+
+@dataclass(frozen=True, slots=True)
+class TrainSettings:
+    epochs: float = 4.0
+    batch_tokens: int = 4096
+    max_seq_len: int = 640
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 30
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    checkpoint_every: int = 50
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.epochs > 0:
+            raise SpecforkError(f"epochs must be > 0, got {self.epochs}")
+        if self.batch_tokens < self.max_seq_len:
+            raise SpecforkError(f"batch_tokens ({self.batch_tokens}) must be >= max_seq_len ({self.max_seq_len})")
+        if self.max_seq_len < 16:
+            raise SpecforkError(f"max_seq_len must be >= 16, got {self.max_seq_len}")
+        if not self.lr > 0:
+            raise SpecforkError(f"lr must be > 0, got {self.lr}")
+        if self.checkpoint_every < 1:
+            raise SpecforkError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
+
+
+def is_eval_example(example: Example) -> bool:
+    return hashlib.sha1(example.id.encode("utf-8")).digest()[0] < EVAL_BUCKETS
+
+
+def build_draft(target, arch: DraftArch):
+    """A transformers Llama draft for ``target`` (a specfork LoadedModel), embedding initialised
+    from the target's by truncated SVD."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    t = target.arch
+    eos = list(t.eos_token_ids)
+    config = LlamaConfig(
+        vocab_size=t.vocab_size,
+        hidden_size=arch.hidden_size,
+        intermediate_size=arch.intermediate_size,
+        num_hidden_layers=arch.num_layers,
+        num_attention_heads=arch.num_heads,
+        num_key_value_heads=arch.num_kv_heads,
+        head_dim=arch.hidden_size // arch.num_heads,
+        max_position_embeddings=t.max_position_embeddings,
+        rms_norm_eps=t.rms_norm_eps,
+        rope_theta=t.rope_theta,
+        tie_word_embeddings=True,
+        bos_token_id=t.bos_token_id,
+        eos_token_id=eos[0] if len(eos) == 1 else (eos or None),
+        attention_bias=False,
+        mlp_bias=False,
+    )
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        embedding = target.model.embed_tokens.weight.detach().float().cpu()
+        u, s, _ = torch.linalg.svd(embedding, full_matrices=False)
+        width = min(arch.hidden_size, s.numel())
+        init = torch.zeros(embedding.shape[0], arch.hidden_size)
+        init[:, :width] = u[:, :width] * s[:width]
+        init *= embedding.std() / init.std()
+        model.model.embed_tokens.weight.copy_(init)
+    return model
+
+
+def make_batches(examples: list[Example], max_seq_len: int, batch_tokens: int, seed: int) -> list[list[int]]:
+    """Indices of ``examples`` grouped into padded batches of at most ``batch_tokens`` tokens,
+    similar lengths together, batch order shuffled by ``seed``."""
+    lengths = [min(len(e.prompt_ids) + len(e.response_ids), max_seq_len) for e in examples]
+    rng = random.Random(seed)
+    order = sorted(range(len(examples)), key=lambda i: (lengths[i], rng.random()))
+    batches, current, longest = [], [], 0
+    for i in order:
+        longest_if_added = max(longest, lengths[i])
+        if current and longest_if_added * (len(current) + 1) > batch_tokens:
+            batches.append(current)
+            current, longest_if_added = [], lengths[i]
+        current.append(i)
+        longest = longest_if_added
+    if current:
+        batches.append(current)
+    rng.shuffle(batches)
+    return batches
+
+
+def collate(examples: list[Example], max_seq_len: int, pad_id: int):
+    """Input ids, attention mask and labels (-100 outside the responses), right-padded.
+    A sequence over ``max_seq_len`` loses prompt tokens from the left first."""
+    rows, labels = [], []
+    for e in examples:
+        response = e.response_ids[:max_seq_len - 1]
+        prompt = e.prompt_ids[-(max_seq_len - len(response)) :]
+        ids = prompt + response
+        rows.append(ids)
+        labels.append([-100] * len(prompt) + response)
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    target = torch.full((len(rows), width), -100, dtype=torch.long)
+    for i, (ids, lab) in enumerate(zip(rows, labels, strict=True)):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        mask[i, : len(ids)] = 1
+        target[i, : len(lab)] = torch.tensor(lab)
+    # Position t predicts token t + 1.
+    return input_ids, mask, target[:, 1:]
+
+
+def batch_loss(model, input_ids, mask, labels) -> tuple[torch.Tensor, int, int]:
+    """Mean cross-entropy over response tokens, the number of them, and how many the draft's
+    argmax got right. The output head runs only where there is a label."""
+    hidden = model.model(input_ids=input_ids, attention_mask=mask).last_hidden_state[:, :-1]
+    where = labels != -100
+    logits = model.lm_head(hidden[where])
+    target = labels[where]
+    loss = torch.nn.functional.cross_entropy(logits, target)
+    correct = int((logits.argmax(-1) == target).sum())
+    return loss, int(target.numel()), correct
+
+
+def learning_rate(step: int, total: int, settings: TrainSettings) -> float:
+    if step < settings.warmup_steps:
+        return settings.lr * (step + 1) / settings.warmup_steps
+    progress = (step - settings.warmup_steps) / max(1, total - settings.warmup_steps)
+    floor = settings.lr * settings.min_lr_ratio
+    return floor + (settings.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+@torch.no_grad()
+def evaluate_tokens(model, examples: list[Example], settings: TrainSettings, pad_id: int, device) -> dict:
+    """Loss and top-1 agreement with the target on held-out examples."""
+    model.eval()
+    total_loss, total_tokens, total_correct = 0.0, 0, 0
+    for batch in make_batches(examples, settings.max_seq_len, settings.batch_tokens, seed=0):
+        ids, mask, labels = (t.to(device) for t in collate([examples[i] for i in batch], settings.max_seq_len, pad_id))
+        loss, n, correct = batch_loss(model, ids, mask, labels)
+        total_loss += float(loss) * n
+        total_tokens += n
+        total_correct += correct
+    model.train()
+    if not total_tokens:
+        return {"eval_tokens": 0}
+    return {
+        "eval_tokens": total_tokens,
+        "eval_loss": total_loss / total_tokens,
+        "eval_top1_agreement": total_correct / total_tokens,
+    }
+
+
+class DraftTrainer:
+    """Trains ``model`` on ``examples`` with checkpoints under ``checkpoint_dir``."""
+
+    def __init__(self, model, examples: list[Example], settings: TrainSettings, checkpoint_dir: Path, pad_id: int, device):
+        self.model = model.to(device)
+        self.settings = settings
+        self.device = device
+        self.pad_id = pad_id
+        self.checkpoint_dir = checkpoint_dir
+        self.train = [e for e in examples if not is_eval_example(e)]
+        self.held_out = [e for e in examples if is_eval_example(e)]
+        if not self.train:
+            raise SpecforkError("no training examples: generate more data (--num-prompts)")
+        per_epoch = len(make_batches(self.train, settings.max_seq_len, settings.batch_tokens, settings.seed))
+        self.steps_per_epoch = per_epoch
+        self.total_steps = max(1, math.ceil(per_epoch * settings.epochs))
+        decay, no_decay = [], []
+        for name, p in self.model.named_parameters():
+            (no_decay if p.ndim < 2 or "norm" in name else decay).append(p)
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=settings.lr,
+            betas=(0.9, 0.95),
+        )
+        self.step = 0
+        self.history: list[dict] = []
+
+    def _batches_of_epoch(self, epoch: int) -> list[list[int]]:
+        return make_batches(self.train, self.settings.max_seq_len, self.settings.batch_tokens, self.settings.seed + epoch)
+
+    def save_checkpoint(self) -> None:
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.checkpoint_dir / "last.pt.tmp"
+        torch.save(
+            {
+                "step": self.step,
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "history": self.history,
+                "settings": asdict(self.settings),
+            },
+            tmp,
+        )
+        tmp.replace(self.checkpoint_dir / "last.pt")
+
+    def try_resume(self) -> bool:
+        path = self.checkpoint_dir / "last.pt"
+        if not path.exists():
+            return False
+        state = torch.load(path, map_location=self.device, weights_only=False)
+        if state["settings"] != asdict(self.settings):
+            raise SpecforkError(
+                f"{path} was written with other training settings; use the same settings to resume, or another --work-dir"
+            )
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = state["step"]
+        self.history = state["history"]
+        logger.info("resuming draft training at step %d of %d", self.step, self.total_steps)
+        return True
+
+    def run(self, progress: bool = True, until_step: int | None = None) -> list[dict]:
+        """Train to the end (or to ``until_step``, for a partial run), checkpointing on the way."""
+        from tqdm import tqdm
+
+        s = self.settings
+        stop = self.total_steps if until_step is None else min(until_step, self.total_steps)
+        torch.manual_seed(s.seed + self.step)
+        self.model.train()
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="training draft", unit="step", disable=not progress)
+        while self.step < stop:
+            epoch, index = divmod(self.step, self.steps_per_epoch)
+            batch = self._batches_of_epoch(epoch)[index]
+            ids, mask, labels = (
+                t.to(self.device) for t in collate([self.train[i] for i in batch], s.max_seq_len, self.pad_id)
+            )
+            lr = learning_rate(self.step, self.total_steps, s)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            started = time.perf_counter()
+            loss, n, correct = batch_loss(self.model, ids, mask, labels)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.grad_clip)
+            self.optimizer.step()
+            self.step += 1
+            record = {
+                "step": self.step,
+                "loss": float(loss.detach()),
+                "top1": correct / n,
+                "tokens": n,
+                "lr": lr,
+                "seconds": time.perf_counter() - started,
+            }
+            self.history.append(record)
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['loss']:.3f}", top1=f"{record['top1']:.2f}", lr=f"{lr:.1e}")
+            if self.step % s.checkpoint_every == 0 or self.step == stop:
+                self.save_checkpoint()
+        bar.close()
+        return self.history
+
+
+def save_draft(model, tokenizer, output: Path, provenance: dict) -> None:
+    """Write ``output`` as an HF checkpoint directory: config, safetensors, tokenizer, and
+    ``specfork_draft.json`` saying how it was made."""
+    tmp = output.with_name(output.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    (tmp / "specfork_draft.json").write_text(json.dumps(provenance, indent=2, sort_keys=True, default=str))
+    if output.exists():
+        shutil.rmtree(output)
+    tmp.replace(output)

@@ -1,0 +1,195 @@
+"""Draft training end to end on a tiny random target, resume, and GGUF export round trips."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from specfork import LLM, SamplingParams
+from specfork.loading.resolve import resolve_checkpoint
+from specfork.training.data import load_examples, training_prompts
+from specfork.training.pipeline import DataSettings, TrainDraftJob, train_draft
+from specfork.training.trainer import DraftArch, DraftTrainer, TrainSettings, build_draft, is_eval_example
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    """A random 2-layer Llama with SmolLM2's tokenizer (vocabulary 49152, chat template)."""  # noqa: D401
+    path = tmp_path_factory.mktemp("tiny_target")
+    gguf = resolve_checkpoint("smollm2-135m").path
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(path)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, eos_token_id=2, bos_token_id=1,
+                         max_position_embeddings=1024, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # untied and peaked, so its greedy text is not just a copy of its input
+        model.model.embed_tokens.weight.normal_(0, 0.5)
+        model.lm_head.weight.normal_(0, 0.5)
+    model.save_pretrained(path)
+    return path
+
+
+def _job(target, tmp_path, epochs=12.0, **train):
+    return TrainDraftJob(
+        target=str(target),
+        output=tmp_path / "draft",
+        work_dir=tmp_path / "work",
+        data=DataSettings(num_prompts=8, max_new_tokens=12, max_prompt_tokens=24, shard_size=3, seed=0),
+        arch=DraftArch(hidden_size=32, num_layers=1, intermediate_size=64, num_heads=2, num_kv_heads=1),
+        train=TrainSettings(epochs=epochs, batch_tokens=512, max_seq_len=40, lr=1e-2, warmup_steps=2,
+                            checkpoint_every=4, **train),
+        threads=2,
+        generation_batch=4,
+        eval_prompts=1,
+        eval_tokens=8,
+        progress=False,
+    )
+
+
+def test_training_prompts_come_from_the_train_split_only():
+    from specfork.bench.datasets import load_prompts
+
+    prompts = training_prompts(200, seed=0, code_fraction=0.5)
+    assert len(prompts) == 200
+    kinds = {p.dataset for p in prompts}
+    assert kinds == {"sharegpt", "sharegpt-code"}
+    eval_ids = {p.id for p in load_prompts("sharegpt", "eval")}
+    assert not eval_ids & {p.id.split("/")[0] for p in prompts}
+    assert training_prompts(200, seed=0, code_fraction=0.5) == prompts  # reproducible
+    assert training_prompts(200, seed=1, code_fraction=0.5) != prompts
+
+
+def test_train_draft_end_to_end_and_resume(tiny_target, tmp_path):
+    job = _job(tiny_target, tmp_path)
+    result = train_draft(job, command="test")
+    assert result["last_loss"] < result["first_loss"] - 0.5, result
+    saved = json.loads((job.output / "specfork_draft.json").read_text())
+    assert saved["train_steps"] == result["train_steps"] > 0
+    assert set(saved["acceptance"]) == {"humaneval", "sharegpt"}
+    assert (job.output / "config.json").is_file() and (job.output / "model.safetensors").is_file()
+    assert (job.output / "tokenizer.json").is_file() or (job.output / "tokenizer_config.json").is_file()
+
+    # The draft loads as an SD draft and SD reproduces AR exactly.
+    prompt = [1, 504, 3458, 28, 1345, 17, 30, 201]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ar = LLM(str(tiny_target), deterministic=True).generate([prompt], params)[0].token_ids
+    sd = LLM(str(tiny_target), mode="sd", draft=str(job.output), k=3, deterministic=True).generate([prompt], params)[0]
+    assert sd.token_ids == ar
+    assert sd.metrics["spec_rounds"] > 0
+
+    # A rerun reuses the data shards and the final checkpoint: no new generation, no new steps.
+    shards = {p: p.stat().st_mtime_ns for p in (job.work_dir / "data").glob("shard_*.pt")}
+    assert len(shards) == 3
+    again = train_draft(job, command="test")
+    assert {p: p.stat().st_mtime_ns for p in (job.work_dir / "data").glob("shard_*.pt")} == shards
+    assert again["train_steps"] == result["train_steps"]
+
+    # Different data settings in the same work dir are refused, not silently mixed.
+    from dataclasses import replace
+
+    from specfork.errors import SpecforkError
+
+    with pytest.raises(SpecforkError, match="other settings"):
+        train_draft(replace(job, data=replace(job.data, max_new_tokens=13)))
+
+
+def test_interrupted_training_resumes_to_the_same_weights(tiny_target, tmp_path):
+    job = _job(tiny_target, tmp_path, epochs=10.0)
+    from specfork.training.pipeline import generate_data, target_llm
+
+    llm = target_llm(job)
+    examples = generate_data(job, llm)
+    assert len(load_examples(job.work_dir / "data")) == len(examples) == 8
+    target = llm.engine.loaded
+
+    def trainer(directory):
+        torch.manual_seed(0)
+        return DraftTrainer(build_draft(target, job.arch), examples, job.train, directory, pad_id=2,
+                            device=torch.device("cpu"))
+
+    straight = trainer(tmp_path / "straight")
+    straight.run(progress=False)
+
+    first = trainer(tmp_path / "interrupted")
+    first.run(progress=False, until_step=5)  # checkpoints at 4 and at the stop, 5
+    resumed = trainer(tmp_path / "interrupted")
+    assert resumed.try_resume() and resumed.step == 5
+    resumed.run(progress=False)
+    assert resumed.step == straight.step == straight.total_steps
+    assert [r["loss"] for r in resumed.history] == [r["loss"] for r in straight.history]
+    for (name, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_held_out_examples_are_a_fixed_share():
+    from specfork.training.data import Example
+
+    examples = [Example("sharegpt", f"id{i}", [1], [2]) for i in range(4000)]
+    share = sum(is_eval_example(e) for e in examples) / len(examples)
+    assert 0.03 < share < 0.08
+
+
+def prefill_logits(model_path, prompt: list[int]) -> torch.Tensor:
+    """specfork's logits for every prompt position (the loader under test, no transformers)."""
+    from specfork.engine.sequence import Sequence
+
+    llm = LLM(str(model_path), deterministic=True)
+    seq = Sequence(-1, prompt, SamplingParams(temperature=0.0), torch.Generator())
+    llm.engine.block_manager.grow(seq, len(prompt))
+    try:
+        return llm.engine.runner.forward([seq], [0], [prompt], list(range(len(prompt))))
+    finally:
+        llm.engine.block_manager.free(seq)
+
+
+def rounded_checkpoint(source, directory, out_type: str):
+    """A copy of ``source`` whose 2-D weights went through ``out_type`` storage and back."""
+    import gguf
+    import numpy as np
+
+    qtype = {"f16": gguf.GGMLQuantizationType.F16, "q8_0": gguf.GGMLQuantizationType.Q8_0}[out_type]
+    model = LlamaForCausalLM.from_pretrained(source)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                w = p.detach().numpy().astype(np.float32)
+                p.copy_(torch.from_numpy(np.asarray(gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype))))
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize("out_type", ["f32", "f16", "q8_0"])
+def test_export_gguf_round_trip_logits(tiny_checkpoints, tmp_path, out_type):
+    """Export → load back with specfork's GGUF loader → the logits of the HF checkpoint whose
+    weights went through the same storage type: equal up to float rounding (1e-5 relative).
+    Against the unrounded checkpoint they differ by the storage type's rounding only."""
+    import gguf
+
+    from specfork.loading.gguf_export import export_gguf
+
+    source = tiny_checkpoints["llama-gqa-tied"].path
+    path = export_gguf(source, tmp_path / f"draft-{out_type}.gguf", vocab_from=None, out_type=out_type)
+    reader = gguf.GGUFReader(str(path))
+    names = {t.name for t in reader.tensors}
+    assert "token_embd.weight" in names and "output.weight" not in names  # tied stays tied
+    assert "blk.2.attn_q.weight" in names
+    prompt = [1, 17, 99, 4, 250, 31, 8, 64, 3]
+    got = prefill_logits(path, prompt)
+    original = prefill_logits(source, prompt)
+    expected = original if out_type == "f32" else prefill_logits(rounded_checkpoint(source, tmp_path / "rounded", out_type), prompt)
+    scale = float(expected.abs().max())
+    assert float((got - expected).abs().max()) <= 1e-5 * scale
+    assert float((got - original).abs().max()) <= {"f32": 1e-5, "f16": 1e-2, "q8_0": 0.1}[out_type] * scale
+
+
+def test_export_gguf_refuses_a_vocabulary_that_does_not_match(tiny_checkpoints, tmp_path):
+    from specfork.errors import SpecforkError
+    from specfork.loading.gguf_export import export_gguf
+
+    with pytest.raises(SpecforkError, match="49152 tokens but the model's vocabulary is 256"):
+        export_gguf(tiny_checkpoints["llama-gqa-tied"].path, tmp_path / "x.gguf", vocab_from="smollm2-135m")
+    assert not (tmp_path / "x.gguf").exists()
