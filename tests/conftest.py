@@ -162,3 +162,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _restore_cores_and_threads():
+    """An SSD engine pins this process to the target's cores until it is closed; a test that fails
+    before closing one must not leave the rest of the suite on a single core."""
+    import os
+
+    cores, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    yield
+    if os.sched_getaffinity(0) != cores:
+        os.sched_setaffinity(0, cores)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)

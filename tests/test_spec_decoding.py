@@ -176,7 +176,7 @@ def test_vocabulary_mismatch_is_refused(pair, tmp_path):
 
 
 def test_sd_config_errors(pair):
-    with pytest.raises(SpecforkError, match="needs a draft model"):
+    with pytest.raises(SpecforkError, match="no default draft .* pass a draft model"):
         LLM(pair["target"], mode="sd")
     with pytest.raises(SpecforkError, match="mode"):
         LLM(pair["target"], mode="fast")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -37,16 +38,42 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output (default: the model's context length, capped by the KV cache)")
     s = p.add_argument_group("speculative decoding")
-    s.add_argument("--mode", default="ar", choices=["ar", "sd"],
+    s.add_argument("--mode", default="ar", choices=["ar", "sd", "ssd"],
                    help="ar: autoregressive; sd: speculative decoding (a drafter proposes --k tokens, the "
-                   "model verifies them in one pass; output distribution unchanged) (default: ar)")
+                   "model verifies them in one pass; output distribution unchanged); ssd: speculative "
+                   "speculative decoding (the draft runs in its own process on its own cores/GPU and "
+                   "pre-drafts the next round for likely verification outcomes) (default: ar)")
     s.add_argument("--drafter", default="draft", choices=["draft", "ngram"],
                    help="SD proposer: a draft model (--draft) or n-gram prompt lookup (default: draft)")
     s.add_argument("--draft", default=None, help="draft model for --drafter draft: HF directory or .gguf file "
-                   "sharing the target's vocabulary")
+                   "sharing the target's vocabulary, or 'default' (also used when omitted): the draft shipped "
+                   "with specfork for the embedded model")
     s.add_argument("--k", type=int, default=5, help="tokens proposed per SD round (default: 5)")
     s.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram matched by --drafter ngram (default: 1)")
     s.add_argument("--ngram-max", type=int, default=4, help="longest n-gram matched by --drafter ngram (default: 4)")
+    x = p.add_argument_group("SSD (--mode ssd)")
+    x.add_argument("--fan-out", type=int, default=3,
+                   help="branches pre-drafted per verification outcome, uniform (default: 3)")
+    x.add_argument("--fan-out-list", default=None,
+                   help="per-outcome fan-out, k+1 counts like 3,2,2,1,1,1, or geometric:TOTAL for the paper's "
+                   "capped-geometric allocation (overrides --fan-out)")
+    x.add_argument("--fan-out-list-miss", default=None,
+                   help="fan-out after a round that missed the cache, same forms and total (default: the hit list)")
+    x.add_argument("--backup", default="jit", choices=["jit", "fast"],
+                   help="on a cache miss: jit drafts now; fast guesses by n-gram lookup with no draft compute "
+                   "(default: jit)")
+    x.add_argument("--saguaro-x", type=float, default=None,
+                   help="Saguaro sampling coefficient C in (0, 1] for temperature > 0 (default: off)")
+    x.add_argument("--tree-backend", default="fast", choices=["fast", "sdpa"],
+                   help="tree-decode attention: fast (per-branch block tables, native paged kernel) or sdpa "
+                   "(reference, explicit tree mask) (default: fast)")
+    x.add_argument("--target-cores", default=None, help="CPU cores of the target, e.g. 0 or 0-3 "
+                   "(default: the first half of the available cores)")
+    x.add_argument("--draft-cores", default=None, help="CPU cores of the drafter process (default: the other half)")
+    x.add_argument("--drafter-device", default=None,
+                   help="the drafter's device (default: the next GPU on CUDA, else the CPU)")
+    x.add_argument("--drafter-timeout", type=float, default=60.0,
+                   help="seconds to wait for the drafter before continuing in-process (default: 60)")
     s.add_argument("--deterministic", action="store_true",
                    help="batch-invariant kernels: greedy SD output is bit-identical to AR output (slower)")
     g.add_argument("--seed", type=int, default=None,
@@ -70,6 +97,16 @@ def _engine_options(args: argparse.Namespace) -> dict:
         "ngram_min": args.ngram_min,
         "ngram_max": args.ngram_max,
         "deterministic": args.deterministic,
+        "fan_out": args.fan_out,
+        "fan_out_list": args.fan_out_list,
+        "fan_out_list_miss": args.fan_out_list_miss,
+        "backup": args.backup,
+        "saguaro_x": args.saguaro_x,
+        "tree_backend": args.tree_backend,
+        "target_cores": args.target_cores,
+        "draft_cores": args.draft_cores,
+        "drafter_device": args.drafter_device,
+        "drafter_timeout_s": args.drafter_timeout,
     }
 
 
@@ -112,7 +149,117 @@ def build_parser() -> argparse.ArgumentParser:
                      help="progress bar for --prompts-file (default: on)")
     _add_engine_args(gen)
     _add_sampling_args(gen)
+    _add_train_draft_parser(sub)
+    _add_export_gguf_parser(sub)
+    _add_bench_parser(sub)
     return parser
+
+
+def _add_bench_parser(sub) -> None:
+    from specfork.bench.runner import DATASETS, MODES, PEERS, SWEEPABLE
+
+    p = sub.add_parser(
+        "bench",
+        help="benchmark AR / SD / SSD / n-gram side by side (and peers): table, JSON, Markdown, PNG",
+        description="Run every mode on every dataset (median over --repeat runs after --warmup), "
+        "check greedy speculative outputs against AR token for token, and write results.json, "
+        "results.md and PNG plots to --out. Peers (transformers, llama.cpp) run on the same "
+        "prompts and are skipped with a message when not installed.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="sweeps: --sweep 'k=2,3,5;fan_out=1,3' runs the full grid; sweepable: " + ", ".join(SWEEPABLE),
+    )
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"target model (default: {DEFAULT_MODEL})")
+    p.add_argument("--draft", default="default", help="draft for sd/ssd (default: the shipped draft)")
+    p.add_argument("--modes", default="ar,sd,ssd,ngram", help=f"comma list of {', '.join(MODES)} (default: all)")
+    p.add_argument("--datasets", default="humaneval,sharegpt",
+                   help=f"comma list of {', '.join(DATASETS)}, or all (default: humaneval,sharegpt); with "
+                   "several, an 'all' row gives the mean")
+    p.add_argument("--num-prompts", type=int, default=4, help="prompts per dataset (default: 4)")
+    p.add_argument("--input-len", type=int, default=None,
+                   help="cut (keeping the end) or repeat prompts to this many tokens; required for random")
+    p.add_argument("--output-len", type=int, default=256, help="generated tokens per request (default: 256)")
+    p.add_argument("--temperature", type=float, default=0.0, help="(default: 0, greedy)")
+    p.add_argument("--k", type=int, default=5, help="speculated tokens per round (default: 5)")
+    p.add_argument("--fan-out", type=int, default=3, help="SSD fan-out per outcome (default: 3)")
+    p.add_argument("--backup", default="jit", choices=["jit", "fast"], help="SSD cache-miss backup (default: jit)")
+    p.add_argument("--batch-size", type=int, default=1, help="concurrent requests (default: 1)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads for AR/SD and peers (default: torch's)")
+    p.add_argument("--repeat", type=int, default=1, help="timed runs; the median is reported (default: 1)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs (default: 1)")
+    p.add_argument("--target-cores", default=None, help="SSD: the target's CPU cores (default: half of them)")
+    p.add_argument("--draft-cores", default=None, help="SSD: the drafter's CPU cores (default: the other half)")
+    p.add_argument("--peers", default="", help=f"comma list of {', '.join(PEERS)} (default: none)")
+    p.add_argument("--sweep", default=None, help="grid of overrides, e.g. 'k=2,3,5;fan_out=1,3'")
+    p.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory (default: bench-results)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar (default: on)")
+
+
+def _add_train_draft_parser(sub) -> None:
+    from specfork.training.pipeline import DataSettings
+    from specfork.training.trainer import DraftArch, TrainSettings
+
+    d, a, t = DataSettings(), DraftArch(), TrainSettings()
+    p = sub.add_parser(
+        "train-draft",
+        help="train a small draft model for a target (distilled from the target's own outputs)",
+        description="Train a Llama-architecture draft sharing the target's vocabulary: the target "
+        "answers training prompts from ShareGPT's train split (chat turns and code-block "
+        "prefixes), the draft learns to predict its tokens, and a final SD run on held-out "
+        "prompts reports the mean accepted length. Everything is kept under --work-dir, so "
+        "running the same command again resumes an interrupted run.",
+    )
+    p.add_argument("--target", default=DEFAULT_MODEL, help=f"target model (default: {DEFAULT_MODEL})")
+    p.add_argument("--output", type=Path, required=True, help="directory for the trained draft (HF format)")
+    p.add_argument("--work-dir", type=Path, help="data shards and checkpoints (default: OUTPUT.work)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
+    p.add_argument("--threads", type=int, help="torch threads on CPU (default: torch's choice)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bars (default: on)")
+    g = p.add_argument_group("data (target responses)")
+    g.add_argument("--num-prompts", type=int, default=d.num_prompts, help=f"training prompts (default {d.num_prompts})")
+    g.add_argument("--code-fraction", type=float, default=d.code_fraction,
+                   help=f"share of code-block prompts (default {d.code_fraction})")
+    g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
+                   help=f"response length cap (default {d.max_new_tokens})")
+    g.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens,
+                   help=f"prompts keep their last N tokens (default {d.max_prompt_tokens})")
+    g.add_argument("--generation-batch", type=int, default=32, help="concurrent generation requests (default 32)")
+    g = p.add_argument_group("draft architecture")
+    g.add_argument("--hidden-size", type=int, default=a.hidden_size, help=f"(default {a.hidden_size})")
+    g.add_argument("--layers", type=int, default=a.num_layers, help=f"(default {a.num_layers})")
+    g.add_argument("--intermediate-size", type=int, default=a.intermediate_size, help=f"(default {a.intermediate_size})")
+    g.add_argument("--heads", type=int, default=a.num_heads, help=f"(default {a.num_heads})")
+    g.add_argument("--kv-heads", type=int, default=a.num_kv_heads, help=f"(default {a.num_kv_heads})")
+    g = p.add_argument_group("training")
+    g.add_argument("--epochs", type=float, default=t.epochs, help=f"passes over the data (default {t.epochs})")
+    g.add_argument("--batch-tokens", type=int, default=t.batch_tokens,
+                   help=f"padded tokens per optimizer step (default {t.batch_tokens})")
+    g.add_argument("--max-seq-len", type=int, default=t.max_seq_len, help=f"(default {t.max_seq_len})")
+    g.add_argument("--lr", type=float, default=t.lr, help=f"peak learning rate, cosine decay (default {t.lr})")
+    g.add_argument("--warmup-steps", type=int, default=t.warmup_steps, help=f"(default {t.warmup_steps})")
+    g.add_argument("--checkpoint-every", type=int, default=t.checkpoint_every, help=f"steps (default {t.checkpoint_every})")
+    g.add_argument("--seed", type=int, default=t.seed, help=f"data order, prompt selection and init (default {t.seed})")
+    g = p.add_argument_group("final evaluation")
+    g.add_argument("--eval-prompts", type=int, default=4,
+                   help="held-out HumanEval and ShareGPT prompts for the SD acceptance check; 0 skips it (default 4)")
+    g.add_argument("--eval-tokens", type=int, default=128, help="tokens per evaluation prompt (default 128)")
+
+
+def _add_export_gguf_parser(sub) -> None:
+    from specfork.loading.gguf_export import OUT_TYPES
+
+    p = sub.add_parser(
+        "export-gguf",
+        help="write an HF Llama checkpoint (e.g. a trained draft) as a GGUF file for llama.cpp",
+        description="Write a Llama-architecture HF checkpoint directory as GGUF. The tokenizer "
+        "metadata is copied from --vocab-from (for a draft made by train-draft: its target, "
+        "by default), so llama.cpp accepts the file as that target's draft model.",
+    )
+    p.add_argument("checkpoint", help="HF checkpoint directory")
+    p.add_argument("output", type=Path, help="the .gguf file to write")
+    p.add_argument("--vocab-from", help="GGUF file or alias whose tokenizer is copied "
+                   "(default: the target recorded by train-draft, when it is a GGUF)")
+    p.add_argument("--outtype", choices=OUT_TYPES, default="q8_0",
+                   help="type of the 2-D weights; norms stay f32 (default q8_0)")
 
 
 def read_prompts_file(path: Path) -> list[dict]:
@@ -183,7 +330,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if file_prompts is not None:
         ids = _encode_file_prompts(llm, file_prompts, args.prompts_file)
         start = time.perf_counter()
-        outputs = llm.generate(ids, params, use_tqdm=args.progress)
+        try:
+            outputs = llm.generate(ids, params, use_tqdm=args.progress)
+        finally:
+            llm.close()
         elapsed = time.perf_counter() - start
         lines = [json.dumps({"token_ids": o.token_ids, "text": o.text, "metrics": o.metrics}) for o in outputs]
         if args.output:
@@ -196,33 +346,121 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if "mean_accepted_length" in agg:
             summary += (f"; SD: {agg['draft_tokens_accepted']}/{agg['draft_tokens_proposed']} drafts accepted, "
                         f"mean accepted length {agg['mean_accepted_length']:.2f}")
+        if "ssd_cache_hit_rate" in agg:
+            summary += f"; SSD cache hit rate {agg['ssd_cache_hit_rate']:.2f}"
         print(summary, file=sys.stderr)
         return 0
     if args.raw or llm.tokenizer is None or not llm.tokenizer.has_chat_template:
         ids = llm.engine.encode_prompt(args.prompt)
     else:
         ids = llm.engine.encode_chat([{"role": "user", "content": args.prompt}])
-    for piece in llm.stream(ids, params):
-        print(piece, end="", flush=True)
-    print()
+    try:
+        for piece in llm.stream(ids, params):
+            print(piece, end="", flush=True)
+        print()
+    finally:
+        llm.close()
     out = llm.last_output
     m = out.metrics
+    extra = ""
+    if m.get("mean_accepted_length") is not None:
+        extra += f", mean accepted length {m['mean_accepted_length']:.2f}"
+    if m.get("ssd_cache_hit_rate") is not None:
+        extra += f", SSD cache hit rate {m['ssd_cache_hit_rate']:.2f}"
     print(f"[{m['num_generated_tokens']} tokens, {m['time_s']:.2f} s, "
-          f"{m['num_generated_tokens'] / m['time_s']:.1f} tok/s, finish: {out.finish_reason}]", file=sys.stderr)
+          f"{m['num_generated_tokens'] / m['time_s']:.1f} tok/s, finish: {out.finish_reason}{extra}]", file=sys.stderr)
     if args.output:
         args.output.write_text(json.dumps({"token_ids": out.token_ids, "text": out.text, "metrics": m}) + "\n")
+    return 0
+
+
+def cmd_train_draft(args: argparse.Namespace) -> int:
+    from specfork.training.pipeline import DataSettings, TrainDraftJob, train_draft
+    from specfork.training.trainer import DraftArch, TrainSettings
+
+    job = TrainDraftJob(
+        target=args.target,
+        output=args.output,
+        work_dir=args.work_dir or args.output.with_name(args.output.name + ".work"),
+        data=DataSettings(
+            num_prompts=args.num_prompts, code_fraction=args.code_fraction, max_new_tokens=args.max_new_tokens,
+            max_prompt_tokens=args.max_prompt_tokens, seed=args.seed,
+        ),
+        arch=DraftArch(
+            hidden_size=args.hidden_size, num_layers=args.layers, intermediate_size=args.intermediate_size,
+            num_heads=args.heads, num_kv_heads=args.kv_heads,
+        ),
+        train=TrainSettings(
+            epochs=args.epochs, batch_tokens=args.batch_tokens, max_seq_len=args.max_seq_len, lr=args.lr,
+            warmup_steps=args.warmup_steps, checkpoint_every=args.checkpoint_every, seed=args.seed,
+        ),
+        device=args.device,
+        threads=args.threads,
+        generation_batch=args.generation_batch,
+        eval_prompts=args.eval_prompts,
+        eval_tokens=args.eval_tokens,
+        progress=args.progress,
+    )
+    result = train_draft(job, command=args.command_line)
+    print(json.dumps({k: result[k] for k in ("first_loss", "last_loss", "eval_top1_agreement", "acceptance")
+                      if k in result}, indent=2))
+    print(f"draft written to {args.output}", file=sys.stderr)
+    return 0
+
+
+def cmd_export_gguf(args: argparse.Namespace) -> int:
+    from specfork.loading.gguf_export import export_gguf
+
+    vocab_from = args.vocab_from
+    provenance = Path(args.checkpoint) / "specfork_draft.json"
+    if vocab_from is None and provenance.is_file():
+        from specfork.loading.resolve import CheckpointFormat, resolve_checkpoint
+
+        target = json.loads(provenance.read_text()).get("target")
+        if target and resolve_checkpoint(target).format is CheckpointFormat.GGUF:
+            vocab_from = target
+    path = export_gguf(args.checkpoint, args.output, vocab_from=vocab_from, out_type=args.outtype)
+    print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from specfork.bench.report import format_table, write_all
+    from specfork.bench.runner import DATASETS, BenchSettings, parse_sweep, run_benchmark
+
+    def split(text: str) -> tuple[str, ...]:
+        return tuple(x.strip() for x in text.split(",") if x.strip())
+
+    datasets = DATASETS if args.datasets == "all" else split(args.datasets)
+    settings = BenchSettings(
+        model=args.model, draft=args.draft, modes=split(args.modes), datasets=datasets,
+        num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+        temperature=args.temperature, k=args.k, fan_out=args.fan_out, backup=args.backup,
+        batch_size=args.batch_size, threads=args.threads, repeat=args.repeat, warmup=args.warmup,
+        peers=split(args.peers), target_cores=args.target_cores, draft_cores=args.draft_cores,
+    )
+    report = run_benchmark(settings, parse_sweep(args.sweep), progress=args.progress)
+    command = args.command_line
+    print(format_table(report))
+    for note in report["notes"]:
+        print(f"note: {note}", file=sys.stderr)
+    paths = write_all(report, args.out, command)
+    print(f"wrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.command_line = shlex.join(["specfork", *(sys.argv[1:] if argv is None else argv)])
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.command is None:
         parser.print_help()
         return EXIT_BAD_INPUT
     try:
-        return {"generate": cmd_generate}[args.command](args)
+        commands = {"generate": cmd_generate, "train-draft": cmd_train_draft, "export-gguf": cmd_export_gguf,
+                    "bench": cmd_bench}
+        return commands[args.command](args)
     except SpecforkError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from specfork.errors import SpecforkError
 
 DEFAULT_MODEL = "smollm2-135m"
-MODES = ("ar", "sd")
+MODES = ("ar", "sd", "ssd")
+SSD_BACKUPS = ("jit", "fast")
+TREE_BACKENDS = ("sdpa", "fast")
 DRAFTERS = ("draft", "ngram")
 
 
@@ -20,10 +22,26 @@ class Config:
         ``kv_cache_tokens`` (enough for that many tokens in total).
     max_model_len: longest prompt + output; None takes the model's context length.
     threads: torch intra-op threads on CPU; None keeps torch's default.
-    mode: "ar" (autoregressive) or "sd" (speculative decoding).
+    mode: "ar" (autoregressive), "sd" (speculative decoding) or "ssd" (speculative speculative
+        decoding: the draft model runs in its own process on its own cores or device and
+        pre-drafts the next round while the target verifies).
     drafter: in SD, "draft" (a draft model, ``draft``) or "ngram" (prompt lookup, n-grams of
         ``ngram_min``..``ngram_max`` tokens).
+    draft: the draft checkpoint; None or "default" takes the draft shipped with specfork for
+        the target (there is one for the embedded model).
     k: tokens proposed per speculative round.
+    fan_out: SSD branches pre-drafted per verification outcome (uniform F).
+    fan_out_list / fan_out_list_miss: per-outcome fan-out (k + 1 entries, or "geometric:TOTAL" for
+        the paper's capped-geometric allocation) for rounds that hit / missed the cache; they
+        override fan_out; the miss list defaults to the hit list and must have the same total.
+    backup: on an SSD cache miss, "jit" (draft now) or "fast" (n-gram guess, no draft compute).
+    saguaro_x: Saguaro sampling coefficient C in (0, 1] (None: off), temperature > 0 only.
+    tree_backend: SSD tree decode attention, "sdpa" (reference, explicit mask) or "fast"
+        (per-branch block tables, the native paged kernel).
+    drafter_device: the SSD drafter's device (default: the next GPU on CUDA, the CPU otherwise).
+    target_cores / draft_cores: CPU core ids ("0", "0-3") for the two SSD processes; by default
+        the available cores are split in two halves.
+    drafter_timeout_s: an SSD drafter that does not answer within this is replaced in-process.
     deterministic: batch-invariant kernels, so that speculative greedy output is bit-identical
         to AR greedy output (the default fast mode may differ at numerical near-ties).
     """
@@ -46,6 +64,16 @@ class Config:
     ngram_min: int = 1
     ngram_max: int = 4
     deterministic: bool = False
+    fan_out: int = 3
+    fan_out_list: str | list[int] | None = None
+    fan_out_list_miss: str | list[int] | None = None
+    backup: str = "jit"
+    saguaro_x: float | None = None
+    tree_backend: str = "fast"
+    drafter_device: str | None = None
+    target_cores: str | None = None
+    draft_cores: str | None = None
+    drafter_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -81,6 +109,36 @@ class Config:
             raise SpecforkError("draft must be a non-empty path or alias")
         if not isinstance(self.deterministic, bool):
             raise SpecforkError(f"deterministic must be True or False, got {self.deterministic!r}")
+        if self.backup not in SSD_BACKUPS:
+            raise SpecforkError(f"backup must be one of {', '.join(SSD_BACKUPS)}, got {self.backup!r}")
+        _positive("fan_out", self.fan_out)
+        if self.tree_backend not in TREE_BACKENDS:
+            raise SpecforkError(f"tree_backend must be one of {', '.join(TREE_BACKENDS)}, got {self.tree_backend!r}")
+        hit, miss = self.fan_out_lists
+        if sum(miss) != sum(hit):
+            raise SpecforkError(f"fan_out_list_miss {list(miss)} must have the same total as the hit list {list(hit)}")
+        if self.saguaro_x is not None and (
+            not isinstance(self.saguaro_x, (int, float)) or isinstance(self.saguaro_x, bool)
+            or not 0.0 < self.saguaro_x <= 1.0
+        ):
+            raise SpecforkError(f"saguaro_x (the Saguaro sampling coefficient C) must be in (0, 1], got {self.saguaro_x!r}")
+        if self.drafter_device is not None and self.drafter_device.split(":")[0] not in ("cpu", "cuda"):
+            raise SpecforkError(f"drafter_device must be 'cpu' or 'cuda[:N]', got {self.drafter_device!r}")
+        for name in ("target_cores", "draft_cores"):
+            if getattr(self, name) is not None:
+                parse_cores(getattr(self, name), name)
+        if not isinstance(self.drafter_timeout_s, (int, float)) or not self.drafter_timeout_s > 0:
+            raise SpecforkError(f"drafter_timeout_s must be > 0, got {self.drafter_timeout_s!r}")
+
+    @property
+    def fan_out_lists(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(F for rounds that hit, F for rounds that missed), k + 1 entries each."""
+        from specfork.spec.ssd.fanout import parse_fanout, uniform_fanout
+
+        hit = self.fan_out_list
+        hit = tuple(parse_fanout(hit, self.k) if hit is not None else uniform_fanout(self.k, self.fan_out))
+        miss = self.fan_out_list_miss
+        return hit, (tuple(parse_fanout(miss, self.k)) if miss is not None else hit)
 
     @property
     def lookahead(self) -> int:
@@ -95,3 +153,20 @@ class Config:
 def _positive(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise SpecforkError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def parse_cores(spec: str, name: str = "cores") -> tuple[int, ...]:
+    """CPU core ids from "0", "0,2" or "0-3"."""
+    cores: list[int] = []
+    try:
+        for part in spec.split(","):
+            if "-" in part:
+                lo, hi = part.split("-")
+                cores.extend(range(int(lo), int(hi) + 1))
+            else:
+                cores.append(int(part))
+    except ValueError:
+        raise SpecforkError(f"{name} must look like 0 or 0,2 or 0-3, got {spec!r}") from None
+    if not cores or any(c < 0 for c in cores):
+        raise SpecforkError(f"{name} must name at least one core id >= 0, got {spec!r}")
+    return tuple(dict.fromkeys(cores))

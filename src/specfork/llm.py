@@ -32,7 +32,21 @@ class LLM:
             from specfork.spec.factory import build_speculative_step
 
             build_step = build_speculative_step
+        elif self.config.mode == "ssd":
+            from specfork.spec.factory import build_ssd_step
+
+            build_step = build_ssd_step
         self.engine = LLMEngine(self.config, build_step)
+
+    def close(self) -> None:
+        """Stop helper processes (the SSD drafter). Also done at interpreter exit."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def tokenizer(self):

@@ -39,4 +39,16 @@ def aggregate_metrics(outputs: list[RequestOutput]) -> dict:
             draft_time_s=sum(x["draft_time_s"] for x in spec),
             target_time_s=sum(x["target_time_s"] for x in spec),
         )
+    ssd = [x for x in m if x.get("ssd_requests")]
+    if ssd:
+        requests = sum(x["ssd_requests"] for x in ssd)
+        hits = sum(x["ssd_cache_hits"] for x in ssd)
+        drafter_s = sum(x["ssd_drafter_s"] for x in ssd)
+        waited = sum(x["draft_time_s"] for x in ssd)
+        agg.update(
+            ssd_requests=requests,
+            ssd_cache_hits=hits,
+            ssd_cache_hit_rate=hits / requests,
+            ssd_hidden_fraction=max(0.0, 1.0 - waited / drafter_s) if drafter_s else None,
+        )
     return agg

@@ -42,6 +42,16 @@ class BlockManager:
         while len(seq.block_table) > keep:
             self._free.append(seq.block_table.pop())
 
+    def allocate(self, count: int) -> list[int]:
+        """``count`` blocks owned by the caller (e.g. a draft tree branch); give them back with
+        ``release_blocks``."""
+        if count > len(self._free):
+            raise RuntimeError("KV cache exhausted")
+        return [self._free.popleft() for _ in range(count)]
+
+    def release_blocks(self, blocks: list[int]) -> None:
+        self._free.extend(blocks)
+
     def free(self, seq: Sequence) -> None:
         self._free.extend(reversed(seq.block_table))
         seq.block_table.clear()

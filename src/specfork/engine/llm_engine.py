@@ -133,6 +133,12 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
+    def close(self) -> None:
+        """Release what the decoding step holds outside this process (e.g. a drafter process)."""
+        close = getattr(self.step_strategy, "close", None)
+        if close is not None:
+            close()
+
     def abort(self, seq: Sequence) -> None:
         if not seq.is_finished:
             seq.finish_reason = "abort"

@@ -55,10 +55,14 @@ class ModelRunner:
         attn_mask: torch.Tensor | None = None,
         batch_invariant: bool = False,
         decode: bool = False,
+        layout: tuple[list[list[int]], list[list[int]]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Inputs for computing ``token_lists[i]`` at positions ``starts[i]...`` of ``seqs[i]``.
 
         ``attn_mask`` [B, q_max, k_max] bool overrides the default causal visibility (tree masks).
+        ``layout`` = (positions, slots): explicit RoPE positions and cache slots (indices into the
+        sequence's block table) per token, for tree decoding where the two differ; it needs
+        ``attn_mask`` (over slots 0..k_max-1) and ignores ``starts``.
         """
         bs = self.block_size
         ids: list[int] = []
@@ -66,16 +70,23 @@ class ModelRunner:
         slots: list[int] = []
         q_lens = [len(t) for t in token_lists]
         q_max = max(q_lens)
-        ctx = [s + n for s, n in zip(starts, q_lens, strict=True)]
-        k_max = max(ctx)
+        if layout is not None:
+            if attn_mask is None:
+                raise ValueError("an explicit position/slot layout needs an explicit attention mask")
+            pos_lists, slot_lists = layout
+            ctx = [max(sl) + 1 for sl in slot_lists]
+        else:
+            pos_lists = [list(range(s, s + n)) for s, n in zip(starts, q_lens, strict=True)]
+            slot_lists = pos_lists
+            ctx = [s + n for s, n in zip(starts, q_lens, strict=True)]
+        k_max = attn_mask.shape[-1] if attn_mask is not None else max(ctx)
         max_blocks = -(-k_max // bs)
         tables = []
-        for seq, start, toks in zip(seqs, starts, token_lists, strict=True):
+        for seq, toks, pos, sl in zip(seqs, token_lists, pos_lists, slot_lists, strict=True):
             table = seq.block_table
             ids.extend(toks)
-            for p in range(start, start + len(toks)):
-                positions.append(p)
-                slots.append(table[p // bs] * bs + p % bs)
+            positions.extend(pos)
+            slots.extend(table[p // bs] * bs + p % bs for p in sl)
             tables.append(table[:max_blocks] + [0] * (max_blocks - min(len(table), max_blocks)))
         dev = self.device
         ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
@@ -130,13 +141,14 @@ class ModelRunner:
         attn_mask: torch.Tensor | None = None,
         *,
         decode: bool = True,
+        layout: tuple[list[list[int]], list[list[int]]] | None = None,
     ) -> torch.Tensor:
         """Run the model and return float32 logits of the flat rows ``logits_rows``.
 
         ``seqs`` are objects with a ``block_table``; ``decode`` marks decode/verify passes, which
         use batch-invariant attention in deterministic mode (prefill passes never need it)."""
         invariant = self.deterministic and decode
-        ids, pos, meta = self.prepare(seqs, starts, token_lists, attn_mask, invariant, decode)
+        ids, pos, meta = self.prepare(seqs, starts, token_lists, attn_mask, invariant, decode, layout)
         hidden = self.model(ids, pos, self.kv_caches, meta)
         if len(logits_rows) != hidden.shape[0]:
             hidden = hidden.index_select(0, torch.tensor(logits_rows, dtype=torch.long, device=self.device))

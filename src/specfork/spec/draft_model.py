@@ -73,7 +73,7 @@ class DraftModelProposer:
             for f in feeds:
                 offset += len(f)
                 last_rows.append(offset - 1)
-            logits = self.runner.forward([states[i] for i in active], starts, feeds, last_rows, decode=False)
+            logits = self.runner.forward([states[i] for i in active], starts, feeds, last_rows, decode=True)
             logits = logits[:, : self.vocab_size]
             for i, f in zip(active, feeds, strict=True):
                 states[i].num_cached_tokens += len(f)

@@ -112,6 +112,11 @@ class SpeculativeStep:
     def release(self, seq: Sequence) -> None:
         self.proposer.release(seq)
 
+    def close(self) -> None:
+        close = getattr(self.proposer, "close", None)
+        if close is not None:
+            close()
+
     def _budget(self, seq: Sequence) -> int:
         """Proposals worth verifying: never past max_tokens or the context length."""
         left = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq))

@@ -8,6 +8,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -66,12 +67,14 @@ torch::Tensor paged_attention_decode(const torch::Tensor& q_in,         // [T, H
       const float* qv = qp + (t * Hq + h) * D;
       scores.resize(n);
       float mx = -INFINITY;
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t slot = table[j / bs] * bs + j % bs;
-        const float* kv = kp + (slot * Hkv + kvh) * D;
-        const float s = dot(qv, kv, D) * fscale;
-        scores[j] = s;
-        mx = s > mx ? s : mx;
+      for (int64_t j0 = 0, blk = 0; j0 < n; j0 += bs, ++blk) {  // walk the block table
+        const float* kb = kp + (table[blk] * bs * Hkv + kvh) * D;
+        const int64_t len = std::min(bs, n - j0);
+        for (int64_t o = 0; o < len; ++o) {
+          const float s = dot(qv, kb + o * Hkv * D, D) * fscale;
+          scores[j0 + o] = s;
+          mx = s > mx ? s : mx;
+        }
       }
       float denom = 0.f;
       for (int64_t j = 0; j < n; ++j) {
@@ -80,12 +83,15 @@ torch::Tensor paged_attention_decode(const torch::Tensor& q_in,         // [T, H
       }
       float* o = op + (t * Hq + h) * D;
       for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t slot = table[j / bs] * bs + j % bs;
-        const float* vv = vp + (slot * Hkv + kvh) * D;
-        const float p = scores[j];
+      for (int64_t j0 = 0, blk = 0; j0 < n; j0 += bs, ++blk) {
+        const float* vb = vp + (table[blk] * bs * Hkv + kvh) * D;
+        const int64_t len = std::min(bs, n - j0);
+        for (int64_t r = 0; r < len; ++r) {
+          const float* vv = vb + r * Hkv * D;
+          const float p = scores[j0 + r];
 #pragma GCC ivdep
-        for (int64_t d = 0; d < D; ++d) o[d] = __builtin_fmaf(p, vv[d], o[d]);
+          for (int64_t d = 0; d < D; ++d) o[d] = __builtin_fmaf(p, vv[d], o[d]);
+        }
       }
       const float inv = 1.f / denom;
       for (int64_t d = 0; d < D; ++d) o[d] *= inv;
