@@ -1,0 +1,167 @@
+"""Turn a ``specfork bench`` report into a printed table, Markdown and PNG plots."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+COLUMNS = ("run", "dataset", "tok/s", "min-max", "vs AR", "accept len", "hit rate", "= AR", "p50 s", "p99 s")
+
+
+def _label(r: dict) -> str:
+    st = r["settings"]
+    extra = {k: st.get(k) for k in ("k", "fan_out", "backup")}
+    if st.get("batch_size", 1) != 1:
+        extra["batch"] = st["batch_size"]
+    if st.get("input_len") is not None:
+        extra["input_len"] = st["input_len"]
+    if st.get("temperature"):
+        extra["T"] = st["temperature"]
+    words = [f"{k}={v}" for k, v in extra.items() if v is not None]
+    return " ".join([r["name"], *words])
+
+
+def with_means(report: dict) -> list[dict]:
+    """The result rows plus, when several datasets ran, an ``all`` row per run: the mean over
+    datasets (as the SSD blog averages its prompt sets)."""
+    rows = list(report["results"])
+    by_run = defaultdict(list)
+    for r in rows:
+        by_run[(_label(r), r.get("point", 0))].append(r)
+    if len({r["dataset"] for r in rows}) > 1:
+        for group in by_run.values():
+            if len(group) < 2:
+                continue
+            mean = dict(group[0])
+            mean["dataset"] = "all"
+            for key in ("tok_per_s", "tok_per_s_min", "tok_per_s_max"):
+                mean[key] = sum(g[key] for g in group) / len(group)
+            for key in ("mean_accepted_length", "ssd_cache_hit_rate", "match_ar"):
+                vals = [g[key] for g in group if g.get(key) is not None]
+                mean[key] = sum(vals) / len(vals) if vals else None
+            mean["latency_s"] = {}
+            rows.append(mean)
+    return rows
+
+
+def peer_baselines(report: dict) -> list[str]:
+    """Names of the peers' AR runs present: each gets a ratio column."""
+    return list(dict.fromkeys(r["name"] for r in report["results"] if r["name"] in ("transformers AR", "llama.cpp AR")))
+
+
+def columns(report: dict) -> list[str]:
+    return list(COLUMNS) + [f"vs {name}" for name in peer_baselines(report)]
+
+
+def table_rows(report: dict) -> list[list[str]]:
+    rows = with_means(report)
+    peers = {(r["name"], r["dataset"]): r["tok_per_s"] for r in rows if r["name"] in peer_baselines(report)}
+    # "vs AR" compares with specfork AR of the same sweep point and dataset (peers: of their point).
+    ar = {(r["dataset"], r.get("point", 0)): r["tok_per_s"] for r in rows if r["mode"] == "ar" and r["name"] == "specfork ar"}
+    out = []
+    for r in rows:
+        base = ar.get((r["dataset"], r.get("point", 0)))
+        if base is None:
+            base = next((v for (d, _), v in ar.items() if d == r["dataset"]), None)
+        out.append([
+            _label(r),
+            r["dataset"],
+            f"{r['tok_per_s']:.2f}",
+            f"{r['tok_per_s_min']:.1f}-{r['tok_per_s_max']:.1f}",
+            f"{r['tok_per_s'] / base:.2f}x" if base else "-",
+            _fmt(r.get("mean_accepted_length")),
+            _fmt(r.get("ssd_cache_hit_rate")),
+            f"{r['match_ar']:.0%}" if r.get("match_ar") is not None else "-",
+            _fmt(r.get("latency_s", {}).get("p50")),
+            _fmt(r.get("latency_s", {}).get("p99")),
+            *[f"{r['tok_per_s'] / peers[(name, r['dataset'])]:.2f}x" if (name, r["dataset"]) in peers else "-"
+              for name in peer_baselines(report)],
+        ])
+    return out
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def format_table(report: dict) -> str:
+    rows = [columns(report)] + table_rows(report)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+             for row in rows]
+    return "\n".join(lines[:1] + ["-" * len(lines[0])] + lines[1:])
+
+
+def markdown(report: dict, command: str) -> str:
+    m = report["machine"]
+    s = report["settings"]
+    head = [
+        "# specfork bench",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, Python {m['python']}"
+        + (f", GPU {m['cuda']}" if m.get("cuda") else "") + f"; commit {m.get('commit')}.",
+        "",
+        f"{s['num_prompts']} prompts per dataset, {s['output_len']} output tokens (EOS ignored), temperature "
+        f"{s['temperature']}, batch size {s['batch_size']}, median of {s['repeat']} run(s) after {s['warmup']} "
+        "warm-up run(s). \"= AR\": share of requests whose tokens equal specfork AR's (greedy runs).",
+        "",
+        "| " + " | ".join(columns(report)) + " |",
+        "|" + "---|" * len(columns(report)),
+    ]
+    body = ["| " + " | ".join(row) + " |" for row in table_rows(report)]
+    notes = [""] + [f"* {n}" for n in report.get("notes", [])]
+    return "\n".join(head + body + notes) + "\n"
+
+
+def plots(report: dict, directory: Path) -> list[Path]:
+    """Bar charts: tok/s, speedup over AR, accepted length, SSD hit rate, latency p50/p99."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = table_rows(report)
+    runs = list(dict.fromkeys(r[0] for r in rows))
+    datasets = list(dict.fromkeys(r[1] for r in rows))
+    charts = {
+        "tok_per_s": (2, "tokens/s"),
+        "speedup": (4, "speedup over specfork AR"),
+        "accepted_length": (5, "mean accepted length"),
+        "ssd_hit_rate": (6, "SSD cache hit rate"),
+        "latency_p50": (8, "end-to-end latency p50 (s)"),
+        "latency_p99": (9, "end-to-end latency p99 (s)"),
+    }
+    written = []
+    for name, (col, title) in charts.items():
+        fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(runs) * len(datasets) / 2), 4))
+        width = 0.8 / max(1, len(datasets))
+        for d_index, dataset in enumerate(datasets):
+            values = []
+            for run in runs:
+                cell = next((r[col] for r in rows if r[0] == run and r[1] == dataset), "-")
+                values.append(float(cell.rstrip("x")) if cell not in ("-", "") else 0.0)
+            ax.bar([i + d_index * width for i in range(len(runs))], values, width, label=dataset)
+        ax.set_xticks([i + width * (len(datasets) - 1) / 2 for i in range(len(runs))])
+        ax.set_xticklabels(runs, rotation=30, ha="right", fontsize=7)
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = directory / f"{name}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def write_all(report: dict, directory: Path, command: str) -> dict[str, Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    report = {**report, "command": command}
+    paths = {"json": directory / "results.json", "markdown": directory / "results.md"}
+    paths["json"].write_text(json.dumps(report, indent=2, default=str))
+    paths["markdown"].write_text(markdown(report, command))
+    for plot in plots(report, directory):
+        paths[plot.stem] = plot
+    return paths

@@ -1,0 +1,89 @@
+"""`specfork bench` smoke runs on tiny random models: files, fields, AR checks, peer skips."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+from conftest import _llama, randomize_
+
+from specfork.bench.report import format_table, write_all
+from specfork.bench.runner import BenchSettings, parse_sweep, run_benchmark
+from specfork.cli import main
+from specfork.errors import SpecforkError
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "tiny"
+    torch.manual_seed(3)
+    model = _llama(num_hidden_layers=2).float().eval()
+    randomize_(model, 3)
+    model.save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+def _settings(tiny, **kw):
+    base = dict(model=tiny, draft=tiny, modes=("ar", "sd", "ngram", "ssd"), datasets=("random",), num_prompts=2,
+                input_len=12, output_len=10, k=3, warmup=1, repeat=2, threads=2)
+    return BenchSettings(**{**base, **kw})
+
+
+def test_bench_writes_json_markdown_and_plots(tiny, tmp_path, monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llama_cpp" else real_find_spec(name, *a))
+    report = run_benchmark(_settings(tiny, peers=("llama.cpp", "transformers")), [{}], progress=False)
+    assert report["machine"]["cores"] >= 1 and report["machine"]["torch"] == torch.__version__
+    rows = {r["mode"]: r for r in report["results"]}
+    assert set(rows) == {"ar", "sd", "ngram", "ssd", "AR", "prompt-lookup", "assisted"}
+    for r in rows.values():
+        assert r["tok_per_s_min"] <= r["tok_per_s"] <= r["tok_per_s_max"]
+        assert r["tokens"] == 2 * 10
+        if r["name"].startswith("specfork"):
+            assert r["match_ar"] == 1.0  # greedy: every specfork mode reproduces AR
+        else:
+            assert 0.0 <= r["match_ar"] <= 1.0
+        assert set(r["latency_s"]) == {"p50", "p90", "p99"}
+    assert rows["sd"]["mean_accepted_length"] >= 2.9  # draft == target: every draft accepted (budget-capped)
+    assert rows["ssd"]["ssd_cache_hit_rate"] > 0.3
+    assert any("skipping llama.cpp: llama-cpp-python is not installed" in n for n in report["notes"])
+
+    paths = write_all(report, tmp_path / "out", "specfork bench (test)")
+    saved = json.loads(paths["json"].read_text())
+    assert saved["command"] == "specfork bench (test)" and saved["results"] == report["results"]
+    md = paths["markdown"].read_text()
+    assert "| run | dataset | tok/s |" in md and "specfork ssd k=3 fan_out=3 backup=jit" in md
+    for name in ("tok_per_s", "speedup", "accepted_length", "ssd_hit_rate", "latency_p50", "latency_p99"):
+        assert paths[name].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = format_table(report)
+    assert "vs AR" in table and "1.00x" in table and "vs transformers AR" in table
+
+
+def test_sweep_grid_and_errors():
+    assert parse_sweep("k=2,3;fan_out=1,3") == [
+        {"k": 2, "fan_out": 1}, {"k": 2, "fan_out": 3}, {"k": 3, "fan_out": 1}, {"k": 3, "fan_out": 3}]
+    assert parse_sweep(None) == [{}]
+    with pytest.raises(SpecforkError, match="cannot sweep"):
+        parse_sweep("layers=2")
+    with pytest.raises(SpecforkError, match="bad value"):
+        parse_sweep("k=two")
+    with pytest.raises(SpecforkError, match="unknown modes"):
+        BenchSettings(modes=("ar", "eagle"))
+    with pytest.raises(SpecforkError, match="random dataset needs --input-len"):
+        BenchSettings(datasets=("random",))
+
+
+def test_bench_cli_sweep_and_all_rows(tiny, tmp_path, capsys):
+    out = tmp_path / "cli"
+    code = main(["bench", "--model", tiny, "--draft", tiny, "--modes", "ar,sd", "--datasets", "random",
+                 "--input-len", "8", "--num-prompts", "2", "--output-len", "6", "--sweep", "k=2,4",
+                 "--warmup", "0", "--out", str(out), "--no-progress"])
+    assert code == 0
+    report = json.loads((out / "results.json").read_text())
+    assert report["command"].startswith("specfork bench --model")
+    ks = sorted(r["settings"]["k"] for r in report["results"] if r["mode"] == "sd")
+    assert ks == [2, 4]
+    assert "specfork sd k=2" in capsys.readouterr().out
