@@ -152,7 +152,56 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_draft_parser(sub)
     _add_export_gguf_parser(sub)
     _add_bench_parser(sub)
+    _add_serve_parser(sub)
+    _add_bench_serve_parser(sub)
     return parser
+
+
+def _add_serve_parser(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)",
+        description="Serve the model over an OpenAI-compatible API: GET /v1/models, POST /v1/completions, "
+        "POST /v1/chat/completions (stream: true for server-sent events), GET /health, GET /metrics "
+        "(Prometheus). All requests share one engine with continuous batching; every mode and "
+        "speculative option of `generate` applies. SIGINT/SIGTERM stop it gracefully.",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 picks a free one)")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests that may wait beyond the --max-num-seqs running ones; more are refused "
+                   "with 503 (default: 256)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the --model value)")
+    p.add_argument("--graceful-timeout", type=float, default=30.0,
+                   help="seconds open requests may take to finish after SIGINT/SIGTERM (default: 30)")
+    _add_engine_args(p)
+
+
+def _add_bench_serve_parser(sub) -> None:
+    p = sub.add_parser(
+        "bench-serve",
+        help="drive a running server with Poisson arrivals; latency and throughput per request rate",
+        description="Send --num-prompts streaming requests at each --request-rate (Poisson arrivals) to a "
+        "running `specfork serve` (or any OpenAI-compatible server) and report throughput, end-to-end "
+        "latency, TTFT and TPOT (mean, p50, p99). Results go to --out/<label>.json; the table and plot "
+        "there cover every run in that directory, so AR and SSD servers benchmarked with different "
+        "--label values are compared side by side.",
+    )
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server address (default: %(default)s)")
+    p.add_argument("--label", default="server", help="name of this run in tables and plots (default: server)")
+    p.add_argument("--request-rate", default="1", help="comma list of request rates in req/s; inf sends all at "
+                   "once (default: 1)")
+    p.add_argument("--dataset", default="sharegpt", choices=["sharegpt", "random"],
+                   help="sharegpt: held-out ShareGPT chats; random: random token ids of --input-len (default: sharegpt)")
+    p.add_argument("--num-prompts", type=int, default=32, help="requests per rate (default: 32)")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens for --dataset random (default: 128)")
+    p.add_argument("--output-len", type=int, default=128,
+                   help="generated tokens per request (EOS ignored) (default: 128)")
+    p.add_argument("--seed", type=int, default=0, help="arrival-time and random-prompt seed (default: 0)")
+    p.add_argument("--out", type=Path, default=Path("bench-serve-results"),
+                   help="output directory (default: bench-serve-results)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar (default: on)")
 
 
 def _add_bench_parser(sub) -> None:
@@ -449,6 +498,46 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from specfork.llm import LLM
+    from specfork.serve.server import ServerSettings, serve
+
+    settings = ServerSettings(
+        host=args.host, port=args.port, max_queue=args.max_queue, served_model_name=args.served_model_name,
+        graceful_timeout_s=args.graceful_timeout, log_level=args.log_level.lower(),
+    )
+    options = _engine_options(args)
+    if args.seed is not None:
+        options["seed"] = args.seed
+    print(f"loading {args.model} ({args.mode}) ...", file=sys.stderr, flush=True)
+    serve(lambda: LLM(args.model, **options), args.model, settings,
+          on_ready=lambda url: print(f"specfork serving {args.model} at {url}/v1 (Ctrl-C to stop)",
+                                     file=sys.stderr, flush=True))
+    print("specfork server stopped", file=sys.stderr)
+    return 0
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from specfork.bench.serve_bench import (
+        ServeBenchSettings,
+        parse_rates,
+        run_serve_benchmark,
+        table,
+        write_results,
+    )
+
+    settings = ServeBenchSettings(
+        base_url=args.base_url.rstrip("/"), label=args.label, request_rates=parse_rates(args.request_rate),
+        dataset=args.dataset, num_prompts=args.num_prompts, input_len=args.input_len,
+        output_len=args.output_len, seed=args.seed,
+    )
+    run = run_serve_benchmark(settings, progress=args.progress)
+    print(table([run]))
+    paths = write_results(run, args.out)
+    print(f"wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -459,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     try:
         commands = {"generate": cmd_generate, "train-draft": cmd_train_draft, "export-gguf": cmd_export_gguf,
-                    "bench": cmd_bench}
+                    "bench": cmd_bench, "serve": cmd_serve, "bench-serve": cmd_bench_serve}
         return commands[args.command](args)
     except SpecforkError as e:
         print(f"error: {e}", file=sys.stderr)

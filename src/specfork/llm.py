@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sequence
 
 from specfork.config import DEFAULT_MODEL, Config
 from specfork.engine.llm_engine import LLMEngine
+from specfork.engine.text_stream import TextStream
 from specfork.errors import PromptError, SpecforkError
 from specfork.outputs import RequestOutput
 from specfork.sampling_params import SamplingParams
@@ -81,18 +82,13 @@ class LLM:
         output is available as ``self.last_output`` afterwards."""
         engine = self.engine
         seq = engine.add_request(prompt_ids, params)
-        shown = ""
+        text = TextStream(engine, seq)
         try:
             while not seq.is_finished:
                 engine.step()
-                text = engine.visible_text(seq)
-                # Hold back a trailing replacement char (incomplete UTF-8) and possible stop prefixes.
-                safe = text.rstrip("\ufffd") if not seq.is_finished else text
-                if params.stop and not seq.is_finished:
-                    safe = safe[: max(0, len(safe) - max(len(s) for s in params.stop) + 1)]
-                if len(safe) > len(shown) and safe.startswith(shown):
-                    yield safe[len(shown) :]
-                    shown = safe
+                piece = text.next_piece()
+                if piece:
+                    yield piece
         finally:
             engine.abort(seq)
         self.last_output = engine.output(seq)

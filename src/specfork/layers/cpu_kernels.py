@@ -4,7 +4,10 @@ run instead."""
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import logging
+import time
 from functools import cache
 from pathlib import Path
 
@@ -17,23 +20,47 @@ def build_directory() -> Path:
     return Path.home() / ".cache" / "specfork" / "kernels"
 
 
+FLAGS = ("-O3", "-march=native", "-fopenmp")
+STALE_LOCK_S = 600.0  # a build takes about a minute; an older lock was left by a killed build
+
+
 def _build(name: str, source: str, fallback: str):
+    """Import the kernel built for exactly this source, torch version and flags, building it first
+    if needed. A finished build is imported directly, without torch's build lock: a process killed
+    while holding that lock would otherwise leave every later process waiting on it forever."""
     try:
+        import torch
         from torch.utils.cpp_extension import load
 
-        directory = build_directory() / name
+        code = (_CSRC / source).read_bytes()
+        key = hashlib.sha256(code + torch.__version__.encode() + repr(FLAGS).encode()).hexdigest()[:16]
+        directory = build_directory() / f"{name}-{key}"
+        module_name = f"specfork_{name}"
+        library = directory / f"{module_name}.so"
+        if library.exists():
+            return _import(module_name, library)
         directory.mkdir(parents=True, exist_ok=True)
+        lock = directory / "lock"
+        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink(missing_ok=True)
         return load(
-            name=f"specfork_{name}",
+            name=module_name,
             sources=[str(_CSRC / source)],
             build_directory=str(directory),
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_cflags=list(FLAGS),
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as e:  # no compiler, no headers, ...: the fallback is exact, only slower
         logger.warning("native kernel %s unavailable (%s); using %s", name, e, fallback)
         return None
+
+
+def _import(module_name: str, library: Path):
+    spec = importlib.util.spec_from_file_location(module_name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @cache
