@@ -278,3 +278,32 @@ def test_ssd_server_matches_ar_and_sigterm_stops_it_and_its_drafter(tiny_checkpo
         s.proc.send_signal(signal.SIGTERM)
         assert s.proc.wait(90) == 0, "".join(s.log)
         assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_bench_serve_reports_each_rate(tiny_checkpoints, tmp_path):
+    from specfork.cli import main
+
+    path = str(tiny_checkpoints["llama-gqa-tied"].path)
+    with running_server("--model", path) as s:
+        for label in ("first", "second"):
+            rc = main(["bench-serve", "--base-url", s.url, "--dataset", "random", "--num-prompts", "6",
+                       "--input-len", "8", "--output-len", "10", "--request-rate", "20,inf", "--label", label,
+                       "--out", str(tmp_path), "--no-progress"])
+            assert rc == 0
+    run = json.loads((tmp_path / "first.json").read_text())
+    assert [r["request_rate"] for r in run["rates"]] == [20.0, float("inf")]
+    for r in run["rates"]:
+        assert r["completed"] == 6 and r["failed"] == 0
+        assert r["output_tokens"] == 60
+        assert 0 < r["ttft_s"]["p50"] <= r["e2e_s"]["p50"] <= r["e2e_s"]["p99"]
+        assert r["tpot_s"]["mean"] > 0
+    table = (tmp_path / "serve_results.md").read_text()
+    assert "first" in table and "second" in table  # both runs in one table
+    assert (tmp_path / "serve_latency.png").stat().st_size > 0
+
+
+def test_bench_serve_without_a_server_is_a_clear_error(capsys):
+    from specfork.cli import main
+
+    assert main(["bench-serve", "--base-url", "http://127.0.0.1:9", "--no-progress"]) == 2
+    assert "no OpenAI-compatible server answers" in capsys.readouterr().err

@@ -86,7 +86,9 @@ def _requests(settings: ServeBenchSettings, vocab_size: int) -> list[dict]:
 async def _one(client, model: str, body: dict, t0: float) -> RequestResult:
     body = dict(body)
     chat = body.pop("chat", False)
-    extra = {"ignore_eos": body.pop("ignore_eos")}
+    # return_token_ids: the first token counts even where it decodes to no text yet (or the model
+    # has no tokenizer); servers that do not know the field ignore it.
+    extra = {"ignore_eos": body.pop("ignore_eos"), "return_token_ids": True}
     start = time.perf_counter()
     result = RequestResult(ok=False, start_s=start - t0)
     try:
@@ -96,8 +98,9 @@ async def _one(client, model: str, body: dict, t0: float) -> RequestResult:
             stream = await client.completions.create(model=model, extra_body=extra, **body)
         async for chunk in stream:
             if result.ttft_s is None and chunk.choices:
-                piece = chunk.choices[0].delta.content if chat else chunk.choices[0].text
-                if piece:
+                choice = chunk.choices[0]
+                piece = choice.delta.content if chat else choice.text
+                if piece or (choice.model_extra or {}).get("token_ids"):
                     result.ttft_s = time.perf_counter() - start
             if chunk.usage is not None:
                 result.output_tokens = chunk.usage.completion_tokens

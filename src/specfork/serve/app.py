@@ -266,15 +266,16 @@ async def _chat_chunks(loop: EngineLoop, handle: RequestHandle, rid: str, model:
                        body: ChatCompletionRequest, prompt_len: int) -> AsyncIterator[dict]:
     created = int(time.time())
 
-    def chunk(delta: dict, finish_reason: str | None) -> dict:
+    def chunk(delta: dict, finish_reason: str | None, token_ids: list[int] | None = None) -> dict:
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
+                             **_token_ids(body, token_ids or [])}]}
 
     yield chunk({"role": "assistant", "content": ""}, None)
     async for event in _events(loop, handle):
         if isinstance(event, Piece):
-            if event.text:
-                yield chunk({"content": event.text}, None)
+            if event.text or body.return_token_ids:
+                yield chunk({"content": event.text}, None, event.token_ids)
         elif isinstance(event, Finished):
             yield chunk({}, event.output.finish_reason)
             if body.stream_options is not None and body.stream_options.include_usage:
