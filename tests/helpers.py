@@ -66,3 +66,17 @@ def assert_greedy_match(
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max())
+
+
+def prefill_logits(llm, token_ids: list[int]) -> torch.Tensor:
+    """Logits [len(token_ids), V] of every prompt position, through the engine's own runner."""
+    from specfork.engine.sequence import Sequence
+    from specfork.sampling_params import SamplingParams
+
+    engine = llm.engine
+    seq = Sequence(-1, list(token_ids), SamplingParams(temperature=0.0), torch.Generator())
+    engine.block_manager.grow(seq, len(token_ids))
+    try:
+        return engine.runner.forward([seq], [0], [list(token_ids)], list(range(len(token_ids))))
+    finally:
+        engine.block_manager.free(seq)

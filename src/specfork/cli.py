@@ -37,6 +37,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV-cache capacity in tokens over all sequences (default: 16384)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output (default: the model's context length, capped by the KV cache)")
+    g.add_argument("--weights", default="native", choices=["native", "fp32"],
+                   help="native: run a GGUF's Q4_0/Q4_1/Q8_0 matrices quantised (native CPU kernel, no per-step "
+                   "dequantisation); fp32: dequantise at load (default: native)")
+    g.add_argument("--quantize", default=None, choices=["int4"],
+                   help="quantise an HF checkpoint's projections to 4 bits at load (default: off)")
+    g.add_argument("--quantize-group", type=int, default=32, choices=[32, 64, 128],
+                   help="inputs per scale for --quantize (default: 32)")
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--mode", default="ar", choices=["ar", "sd", "ssd"],
                    help="ar: autoregressive; sd: speculative decoding (a drafter proposes --k tokens, the "
@@ -107,6 +114,9 @@ def _engine_options(args: argparse.Namespace) -> dict:
         "draft_cores": args.draft_cores,
         "drafter_device": args.drafter_device,
         "drafter_timeout_s": args.drafter_timeout,
+        "weights": args.weights,
+        "quantize": args.quantize,
+        "quantize_group": args.quantize_group,
     }
 
 

@@ -11,6 +11,9 @@ MODES = ("ar", "sd", "ssd")
 SSD_BACKUPS = ("jit", "fast")
 TREE_BACKENDS = ("sdpa", "fast")
 DRAFTERS = ("draft", "ngram")
+WEIGHTS = ("native", "fp32")
+QUANTIZE = ("int4",)
+QUANTIZE_GROUPS = (32, 64, 128)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +47,10 @@ class Config:
     drafter_timeout_s: an SSD drafter that does not answer within this is replaced in-process.
     deterministic: batch-invariant kernels, so that speculative greedy output is bit-identical
         to AR greedy output (the default fast mode may differ at numerical near-ties).
+    weights: "native" runs a GGUF's Q4_0/Q4_1/Q8_0 matrices in their quantised form (native
+        kernel, CPU float32); "fp32" dequantises them at load. Target and draft alike.
+    quantize: "int4" quantises an HF checkpoint's projections at load (groups of
+        ``quantize_group`` = 32, 64 or 128 inputs) for the same kernel; None keeps float32.
     """
 
     model: str = DEFAULT_MODEL
@@ -74,6 +81,9 @@ class Config:
     target_cores: str | None = None
     draft_cores: str | None = None
     drafter_timeout_s: float = 60.0
+    weights: str = "native"
+    quantize: str | None = None
+    quantize_group: int = 32
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -129,6 +139,17 @@ class Config:
                 parse_cores(getattr(self, name), name)
         if not isinstance(self.drafter_timeout_s, (int, float)) or not self.drafter_timeout_s > 0:
             raise SpecforkError(f"drafter_timeout_s must be > 0, got {self.drafter_timeout_s!r}")
+        if self.weights not in WEIGHTS:
+            raise SpecforkError(f"weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
+        if self.quantize is not None and self.quantize not in QUANTIZE:
+            raise SpecforkError(f"quantize must be one of {', '.join(QUANTIZE)} or None, got {self.quantize!r}")
+        if self.quantize_group not in QUANTIZE_GROUPS:
+            raise SpecforkError(f"quantize_group must be one of {QUANTIZE_GROUPS}, got {self.quantize_group!r}")
+
+    @property
+    def load_options(self) -> dict:
+        """How checkpoints are turned into weights (target and draft)."""
+        return {"weights": self.weights, "quantize_group": self.quantize_group if self.quantize else None}
 
     @property
     def fan_out_lists(self) -> tuple[tuple[int, ...], tuple[int, ...]]:

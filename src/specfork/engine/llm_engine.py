@@ -47,7 +47,7 @@ class LLMEngine:
         dtype = _DTYPES[config.torch_dtype_name]
         requested_len = config.max_model_len
         self.loaded: LoadedModel = load_model(
-            config.model, device=self.device, dtype=dtype, max_positions=requested_len
+            config.model, device=self.device, dtype=dtype, max_positions=requested_len, **config.load_options
         )
         arch = self.loaded.arch
         if requested_len is not None and requested_len > arch.max_position_embeddings:

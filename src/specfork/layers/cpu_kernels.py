@@ -70,6 +70,12 @@ def small_m_gemm():
 
 
 @cache
+def quant_gemm():
+    """The compiled block-quantised (Q4/Q8) GEMM module, or None when it cannot be built here."""
+    return _build("quant_gemm", "quant_gemm.cpp", "dequantised float32 weights")
+
+
+@cache
 def paged_attention():
     """The compiled paged-attention module, or None when it cannot be built here."""
     return _build("paged_attention", "paged_attention.cpp", "gather + SDPA attention")
@@ -77,5 +83,5 @@ def paged_attention():
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO)
-    built = [small_m_gemm(), paged_attention()]
+    built = [small_m_gemm(), paged_attention(), quant_gemm()]
     raise SystemExit(0 if all(m is not None for m in built) else 1)

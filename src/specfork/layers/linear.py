@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specfork.layers.cpu_kernels import small_m_gemm
+from specfork.layers.quantized import QuantizedWeight, quantized_linear
 
 # Without the native kernel, BLAS picks another kernel (and summation order) for very few rows;
 # batch-invariant mode pads to at least this many rows so every row is computed the same way.
@@ -60,8 +61,12 @@ class DenseLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
-    """Build the linear layer for a weight of shape [out_features, in_features]."""
+def make_linear(weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> nn.Module:
+    """Build the linear layer for a weight of shape [out_features, in_features]: the native
+    quantised layer for a block-quantised weight where it can run, the dense one otherwise."""
+    if isinstance(weight, QuantizedWeight):
+        layer = quantized_linear(weight, bias)
+        return layer if layer is not None else DenseLinear(weight.dequantize(), bias)
     return DenseLinear(weight, bias)
 
 

@@ -27,16 +27,27 @@ class LoadedModel:
 
 
 def load_model(
-    model: str, *, device: torch.device, dtype: torch.dtype, max_positions: int | None = None
+    model: str,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_positions: int | None = None,
+    weights: str = "fp32",
+    quantize_group: int | None = None,
 ) -> LoadedModel:
-    """Load ``model`` (alias, HF dir or GGUF file) onto ``device`` in ``dtype``."""
+    """Load ``model`` (alias, HF dir or GGUF file) onto ``device`` in ``dtype``.
+
+    ``weights``: "native" keeps a GGUF's Q4_0/Q4_1/Q8_0 matrices quantised (run by the native
+    kernel on CPU in float32); "fp32" dequantises everything at load. ``quantize_group``
+    quantises the projection matrices of an HF checkpoint to 4 bits in groups of that many inputs.
+    """
     location = resolve_checkpoint(model)
     if location.format is CheckpointFormat.GGUF:
         from specfork.loading.gguf import load_gguf_tensors, open_gguf, read_gguf_config
 
         reader = open_gguf(location.path)
         arch = read_gguf_config(reader, location.path)
-        tensors = load_gguf_tensors(reader, arch, location.path)
+        tensors = load_gguf_tensors(reader, arch, location.path, native=weights == "native")
         tokenizer = load_gguf_tokenizer(location.path)
     else:
         from specfork.loading.safetensors import load_safetensors, read_hf_config
@@ -44,6 +55,12 @@ def load_model(
         arch = read_hf_config(location.path)
         tensors = load_safetensors(location.path)
         tokenizer = load_hf_tokenizer(location.path)
+        if quantize_group is not None and device.type == "cpu" and dtype == torch.float32:
+            from specfork.layers.quantized import quantize_int4
+
+            for name, t in list(tensors.items()):
+                if name.endswith("proj.weight") and t.dim() == 2 and t.shape[1] % quantize_group == 0:
+                    tensors[name] = quantize_int4(t, quantize_group)
     if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in arch.eos_token_ids:
         from dataclasses import replace
 

@@ -108,10 +108,11 @@ def hf_name(gguf_name: str) -> str | None:
     return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
 
 
-def _unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+def _unpermute_rope_rows(w, num_heads: int):
     """Undo llama.cpp's q/k row permutation (interleaved RoPE pairs → HF's half-split layout)."""
     rows = w.shape[0]
-    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    order = torch.arange(rows).reshape(num_heads, rows // num_heads // 2, 2).swapaxes(1, 2).reshape(rows)
+    return w.rows(order) if hasattr(w, "rows") else w[order]
 
 
 def dequantize_tensor(tensor) -> torch.Tensor:
@@ -123,16 +124,24 @@ def dequantize_tensor(tensor) -> torch.Tensor:
     return torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))
 
 
-def load_gguf_tensors(reader, cfg: ModelArchConfig, path: Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
+def load_gguf_tensors(reader, cfg: ModelArchConfig, path: Path, *, native: bool = False) -> dict:
+    """HF-named tensors. With ``native``, Q4_0 / Q4_1 / Q8_0 matrices stay in their quantised
+    form (:class:`QuantizedWeight`); everything else is dequantised to float32."""
+    from specfork.layers.quantized import GGUF_FORMATS, from_gguf_blocks
+
+    tensors: dict = {}
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         if name is None:
             continue
+        type_name = tensor.tensor_type.name
         try:
-            w = dequantize_tensor(tensor)
+            if native and type_name in GGUF_FORMATS and len(tensor.shape) == 2:
+                w = from_gguf_blocks(tensor.data, type_name, tuple(int(d) for d in reversed(tensor.shape)))
+            else:
+                w = dequantize_tensor(tensor)
         except Exception as e:
-            raise ModelLoadError(f"{path}: cannot dequantize {tensor.name} ({tensor.tensor_type.name}): {e}") from None
+            raise ModelLoadError(f"{path}: cannot read {tensor.name} ({type_name}): {e}") from None
         if cfg.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = _unpermute_rope_rows(w, cfg.num_heads)
         elif cfg.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):

@@ -19,7 +19,7 @@ from specfork.errors import ModelLoadError, SpecforkError
 
 logger = logging.getLogger(__name__)
 
-OUT_TYPES = ("f32", "f16", "q8_0")
+OUT_TYPES = ("f32", "f16", "q8_0", "q4_1", "q4_0")
 
 _HF_TO_GGUF_LAYER = {
     "input_layernorm": "attn_norm",
@@ -109,8 +109,14 @@ def export_gguf(checkpoint: str | Path, output: str | Path, *, vocab_from: str |
         "f32": gguf.GGMLQuantizationType.F32,
         "f16": gguf.GGMLQuantizationType.F16,
         "q8_0": gguf.GGMLQuantizationType.Q8_0,
+        "q4_1": gguf.GGMLQuantizationType.Q4_1,
+        "q4_0": gguf.GGMLQuantizationType.Q4_0,
     }[out_type]
-    file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[out_type]
+    file_type = {
+        "f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+        "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
+        "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+    }[out_type]
 
     tmp = output.with_name(output.name + ".tmp")
     writer = gguf.GGUFWriter(str(tmp), "llama")

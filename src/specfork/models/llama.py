@@ -18,10 +18,11 @@ from specfork.errors import ModelLoadError
 from specfork.layers.attention import AttentionMetadata, paged_attention, write_kv
 from specfork.layers.linear import make_linear
 from specfork.layers.norm import RMSNorm
+from specfork.layers.quantized import QuantizedWeight, dense
 from specfork.layers.rotary import RotaryEmbedding
 from specfork.models.config import ModelArchConfig
 
-WeightSource = Callable[[str], torch.Tensor | None]
+WeightSource = Callable[[str], torch.Tensor | QuantizedWeight | None]
 
 
 class Attention(nn.Module):
@@ -98,14 +99,14 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         embed = _need(take, "model.embed_tokens.weight")
-        self.embed_tokens = nn.Embedding.from_pretrained(embed, freeze=True)
+        self.embed_tokens = nn.Embedding.from_pretrained(dense(embed), freeze=True)
         self.layers = nn.ModuleList(DecoderLayer(cfg, take, f"model.layers.{i}") for i in range(cfg.num_layers))
         self.norm = RMSNorm(_need(take, "model.norm.weight"), cfg.rms_norm_eps)
         head = take("lm_head.weight")
         if head is None:
             if not cfg.tie_word_embeddings:
                 raise ModelLoadError("checkpoint has no lm_head.weight and does not tie word embeddings")
-            self.lm_head = make_linear(self.embed_tokens.weight)
+            self.lm_head = make_linear(embed if isinstance(embed, QuantizedWeight) else self.embed_tokens.weight)
         else:
             self.lm_head = make_linear(head)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)

@@ -22,6 +22,7 @@ def build_speculative_step(engine: LLMEngine) -> SpeculativeStep:
             device=engine.device,
             dtype=target.model.embed_tokens.weight.dtype,
             max_positions=target.model.rotary.cos.shape[0],
+            **config.load_options,
         )
         check_vocabularies(target, draft)
         proposer = DraftModelProposer(
@@ -51,7 +52,7 @@ def build_ssd_step(engine: LLMEngine) -> SpeculativeStep:
     draft_path = resolve_draft(config.draft, target.location)
     dtype = target.model.embed_tokens.weight.dtype
     positions = target.model.rotary.cos.shape[0]
-    draft = load_model(draft_path, device=engine.device, dtype=dtype, max_positions=positions)
+    draft = load_model(draft_path, device=engine.device, dtype=dtype, max_positions=positions, **config.load_options)
     check_vocabularies(target, draft)
 
     target_cores, drafter_cores = _split_cores(config)
@@ -96,6 +97,7 @@ def build_ssd_step(engine: LLMEngine) -> SpeculativeStep:
         cores=drafter_cores if drafter_device == "cpu" else None,
         max_positions=positions,
         seed=config.seed,
+        load_options=config.load_options,
     )
 
     def in_process_fallback() -> DraftModelProposer:

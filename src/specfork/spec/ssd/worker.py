@@ -36,6 +36,7 @@ class DrafterLaunch:
     cores: tuple[int, ...] | None
     max_positions: int
     seed: int
+    load_options: dict
 
 
 @dataclass(slots=True)
@@ -65,7 +66,8 @@ def drafter_main(conn) -> None:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         loaded = load_model(
-            launch.draft, device=device, dtype=getattr(torch, launch.dtype), max_positions=launch.max_positions
+            launch.draft, device=device, dtype=getattr(torch, launch.dtype), max_positions=launch.max_positions,
+            **launch.load_options,
         )
         core = DrafterCore(loaded.model, launch.settings, device, seed=launch.seed)
         conn.send(("ready", {"pid": os.getpid(), "threads": torch.get_num_threads()}))

@@ -1,0 +1,162 @@
+"""Block-quantised weights and the linear layer that runs them without dequantising per step.
+
+A :class:`QuantizedWeight` holds a weight [N, K] as GGUF does: integer values q, and per group of
+``group`` inputs of each row a scale d and an offset o, with w = q * d + o. GGUF's Q4_0
+(o = -8d), Q4_1 (o = m) and Q8_0 (o = 0) map onto it exactly, without re-quantisation, and
+``quantize_int4`` makes the same form from float weights (HF checkpoints, ``--quantize int4``).
+
+It supports what model construction does with weights: ``torch.cat`` along rows (fused q/k/v and
+gate/up projections), row selection (llama.cpp's q/k row order), ``.to(device)``. On CPU in
+float32 :class:`QuantizedLinear` runs the native kernel (``csrc/quant_gemm.cpp``); elsewhere, or
+without a compiler, the weight is dequantised once and the dense layer runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from specfork.layers.cpu_kernels import quant_gemm
+
+Q4, Q8 = 4, 8
+GGUF_BLOCK = 32
+MAX_GROUP = 128  # the native kernel's limit (csrc/quant_gemm.cpp, kMaxGroup)
+
+
+@dataclass
+class QuantizedWeight:
+    q: torch.Tensor  # [N, K] uint8 (Q4: 0..15) or int8 (Q8)
+    scale: torch.Tensor  # [N, K / group] float32
+    offset: torch.Tensor  # [N, K / group] float32
+    bits: int  # 4 or 8
+    source: str  # "q4_0", "q4_1", "q8_0", "int4" (quantised at load)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def group(self) -> int:
+        return self.q.shape[1] // self.scale.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one pass over the weight reads in the native layout."""
+        return self.q.numel() * self.bits // 8 + self.scale.numel() * 4 + self.offset.numel() * 4
+
+    def dequantize(self) -> torch.Tensor:
+        d = self.scale.repeat_interleave(self.group, dim=1)
+        o = self.offset.repeat_interleave(self.group, dim=1)
+        return torch.addcmul(o, self.q.to(torch.float32), d)
+
+    def rows(self, index: torch.Tensor) -> QuantizedWeight:
+        return QuantizedWeight(self.q[index], self.scale[index], self.offset[index], self.bits, self.source)
+
+    def to(self, device=None, dtype=None) -> QuantizedWeight | torch.Tensor:
+        """Stays quantised on CPU in float32 (the native path); anything else gets dense weights."""
+        device = torch.device(device) if device is not None else self.q.device
+        if device.type != "cpu" or (dtype is not None and dtype != torch.float32):
+            return self.dequantize().to(device=device, dtype=dtype)
+        return self
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.cat:
+            parts = list(args[0])
+            dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+            if dim == 0 and all(isinstance(p, QuantizedWeight) for p in parts):
+                same = {(p.bits, p.group) for p in parts}
+                if len(same) == 1:
+                    return QuantizedWeight(
+                        torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                        torch.cat([p.offset for p in parts]), parts[0].bits, "+".join(sorted({p.source for p in parts})),
+                    )
+            dense = [p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts]
+            return torch.cat(dense, **({"dim": dim}))
+        args = tuple(a.dequantize() if isinstance(a, QuantizedWeight) else a for a in args)
+        return func(*args, **kwargs)
+
+
+def dense(weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+    return weight.dequantize() if isinstance(weight, QuantizedWeight) else weight
+
+
+# ---- GGUF blocks ---------------------------------------------------------------------------------
+
+GGUF_FORMATS = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # bytes per block of 32
+
+
+def from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantizedWeight:
+    """Unpack GGUF Q4_0 / Q4_1 / Q8_0 rows (``raw``: the tensor's bytes, [N, row_bytes] uint8)."""
+    n, k = shape
+    block_bytes = GGUF_FORMATS[type_name]
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // GGUF_BLOCK, block_bytes)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if type_name == "Q8_0":
+        q = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
+        return QuantizedWeight(torch.from_numpy(q), torch.from_numpy(d), torch.zeros_like(torch.from_numpy(d)),
+                               Q8, "q8_0")
+    if type_name == "Q4_0":
+        qs, offset = blocks[..., 2:], -8.0 * d
+    else:
+        qs, offset = blocks[..., 4:], blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(n, k)
+    return QuantizedWeight(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(np.ascontiguousarray(offset)),
+                           Q4, type_name.lower())
+
+
+def quantize_int4(weight: torch.Tensor, group: int) -> QuantizedWeight:
+    """Asymmetric 4-bit quantisation per group of inputs: q = round((w - min) / d), d = (max - min) / 15."""
+    n, k = weight.shape
+    if k % group:
+        raise ValueError(f"cannot quantise a weight with {k} inputs in groups of {group}")
+    w = weight.detach().to(torch.float32).reshape(n, k // group, group)
+    lo, hi = w.amin(-1), w.amax(-1)
+    d = (hi - lo) / 15.0
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    q = torch.clamp(torch.round((w - lo[..., None]) / safe[..., None]), 0, 15).to(torch.uint8).reshape(n, k)
+    return QuantizedWeight(q, d.contiguous(), lo.contiguous(), Q4, "int4")
+
+
+# ---- the layer -----------------------------------------------------------------------------------
+
+
+class QuantizedLinear(nn.Module):
+    """y = x @ W^T (+ b) with W block-quantised, on the native kernel. Each row is computed
+    independently of the others (batch-invariant by construction)."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, kernels) -> None:
+        super().__init__()
+        self._kernels = kernels
+        self.source = weight.source
+        self.bits = weight.bits
+        self.out_features, self.in_features = weight.shape
+        self.weight_bytes = weight.nbytes
+        values, scales, offsets = kernels.pack_quantized(weight.q, weight.scale, weight.offset, weight.bits)
+        self.values = nn.Parameter(values, requires_grad=False)
+        self.scales = nn.Parameter(scales, requires_grad=False)
+        self.offsets = nn.Parameter(offsets, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._kernels.quant_linear(x, self.values, self.scales, self.offsets, self.out_features, self.bits,
+                                          self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, {self.source}"
+
+
+def quantized_linear(weight: QuantizedWeight, bias: torch.Tensor | None) -> nn.Module | None:
+    """The native quantised layer, or None where it cannot run (no compiler, odd shapes)."""
+    kernels = quant_gemm()
+    if kernels is None or weight.q.device.type != "cpu":
+        return None
+    if bias is not None and bias.dtype != torch.float32:
+        return None
+    if weight.group % 2 or weight.group > MAX_GROUP:
+        return None
+    return QuantizedLinear(weight, bias, kernels)

@@ -1,0 +1,149 @@
+"""Native quantised execution: GGUF Q4_0 / Q4_1 / Q8_0 weights run without dequantising per step.
+
+References are the ``gguf`` package's own quantiser and dequantiser: the native layer must equal
+dequantise-then-float32-matmul within float rounding, for every shape, and compute each row
+independently of the others (so speculative verification reproduces decoding exactly).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+from helpers import assert_greedy_match, prefill_logits
+
+from specfork import LLM, SamplingParams
+from specfork.layers.cpu_kernels import quant_gemm
+from specfork.layers.linear import DenseLinear, make_linear
+from specfork.layers.quantized import QuantizedLinear, QuantizedWeight, from_gguf_blocks, quantize_int4
+from specfork.loading.gguf_export import export_gguf
+
+needs_kernel = pytest.mark.skipif(quant_gemm() is None, reason="native kernels need a C++ compiler")
+
+SHAPES = [(576, 576), (100, 64), (33, 96), (1, 32), (1536, 576)]  # N not a multiple of the 32-column tile too
+
+
+def _gguf_weight(type_name: str, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+    qtype = getattr(GGMLQuantizationType, type_name)
+    raw = quants.quantize(w, qtype)
+    reference = torch.from_numpy(quants.dequantize(raw, qtype).reshape(n, k).astype(np.float32))
+    return raw, reference
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
+def test_unpacked_blocks_dequantize_exactly_as_gguf(type_name, shape):
+    raw, reference = _gguf_weight(type_name, *shape)
+    weight = from_gguf_blocks(raw, type_name, shape)
+    assert torch.equal(weight.dequantize(), reference)
+
+
+@needs_kernel
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
+def test_native_matmul_equals_dequantized_matmul(type_name, shape):
+    raw, reference = _gguf_weight(type_name, *shape, seed=shape[0])
+    bias = torch.randn(shape[0])
+    layer = make_linear(from_gguf_blocks(raw, type_name, shape), bias)
+    assert isinstance(layer, QuantizedLinear)
+    x = torch.randn(11, shape[1])
+    expected = x.double() @ reference.double().t() + bias.double()
+    got = layer(x)
+    scale = float(expected.abs().max()) + 1.0
+    assert float((got.double() - expected).abs().max()) <= 1e-5 * scale
+    # each row as if alone: bit-identical (batch invariance)
+    for m in (1, 2, 3, 6, 9):
+        assert torch.equal(layer(x[:m]), got[:m])
+    assert torch.equal(torch.cat([layer(x[i : i + 1]) for i in range(11)]), got)
+
+
+def test_f16_weights_run_dense_and_exact():
+    rng = np.random.default_rng(1)
+    w16 = rng.standard_normal((70, 64)).astype(np.float16)
+    layer = make_linear(torch.from_numpy(w16.astype(np.float32)))
+    assert isinstance(layer, DenseLinear)  # f16 -> f32 is exact; the dense kernel runs it
+    x = torch.randn(3, 64)
+    assert torch.allclose(layer(x), x @ torch.from_numpy(w16.astype(np.float32)).t(), atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_quantization_at_load_runs_the_same_kernel(group):
+    w = torch.randn(96, 256)
+    q = quantize_int4(w, group)
+    assert q.group == group and q.q.max() <= 15
+    assert float((q.dequantize() - w).abs().max()) <= float((w.amax() - w.amin())) / 15  # within one step
+    layer = make_linear(q)
+    x = torch.randn(4, 256)
+    assert torch.allclose(layer(x), x @ q.dequantize().t(), atol=1e-4)
+
+
+def test_shapes_the_kernel_cannot_take_are_refused_or_run_dense():
+    with pytest.raises(ValueError, match="groups of 32"):
+        quantize_int4(torch.randn(8, 48), 32)
+    odd = QuantizedWeight(torch.zeros(8, 300, dtype=torch.uint8), torch.ones(8, 1), torch.zeros(8, 1), 4, "int4")
+    layer = make_linear(odd)  # one group of 300 inputs: beyond the native kernel, so dense and correct
+    assert isinstance(layer, DenseLinear)
+    assert torch.allclose(layer(torch.ones(1, 300)), torch.zeros(1, 8))
+
+
+def test_concatenation_keeps_weights_quantized():
+    raw, _ = _gguf_weight("Q4_1", 64, 64)
+    a = from_gguf_blocks(raw, "Q4_1", (64, 64))
+    fused = torch.cat([a, a, a])
+    assert isinstance(fused, QuantizedWeight) and fused.shape == (192, 64)
+    assert torch.equal(fused.dequantize(), torch.cat([a.dequantize()] * 3))
+
+
+# ---- whole models -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def quantized_ggufs(tiny_checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("qgguf")
+    source = tiny_checkpoints["llama-gqa-tied"].path
+    return {t: export_gguf(source, root / f"tiny-{t}.gguf", vocab_from=None, out_type=t) for t in ("q4_0", "q4_1", "q8_0")}
+
+
+@needs_kernel
+@pytest.mark.parametrize("out_type", ["q4_0", "q4_1", "q8_0"])
+def test_native_model_logits_match_the_dequantized_model(quantized_ggufs, out_type):
+    path = str(quantized_ggufs[out_type])
+    native, fp32 = LLM(path, weights="native"), LLM(path, weights="fp32")
+    kinds = {type(m).__name__ for m in native.engine.loaded.model.modules()}
+    assert "QuantizedLinear" in kinds
+    assert "QuantizedLinear" not in {type(m).__name__ for m in fp32.engine.loaded.model.modules()}
+    ids = [1, 17, 33, 5, 99, 201, 4, 8]
+    a, b = prefill_logits(native, ids), prefill_logits(fp32, ids)
+    assert float((a - b).abs().max()) <= 1e-4 * (float(b.abs().max()) + 1)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ours = native.generate([ids], params)[0].token_ids
+    theirs = fp32.generate([ids], params)[0].token_ids
+    assert_greedy_match(ours, theirs, prefill_logits(fp32, ids + theirs)[len(ids) - 1 :])
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_speculation_on_the_native_path_equals_native_ar(quantized_ggufs, mode):
+    path = str(quantized_ggufs["q4_1"])
+    prompts = [[1, 17, 33, 5], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    ar = [o.token_ids for o in LLM(path, deterministic=True).generate(prompts, params)]
+    with LLM(path, mode=mode, draft=str(quantized_ggufs["q8_0"]), k=3, deterministic=True) as spec:
+        assert [o.token_ids for o in spec.generate(prompts, params)] == ar
+
+
+@needs_kernel
+def test_embedded_model_native_greedy_equals_fp32_except_near_ties():
+    native, fp32 = LLM(weights="native"), LLM(weights="fp32")
+    prompts = ["def fibonacci(n):", "The capital of France is", "Write a haiku about the sea."]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    for prompt in prompts:
+        ours = native.generate(prompt, params)[0].token_ids
+        theirs = fp32.generate(prompt, params)[0].token_ids
+        ids = fp32.engine.encode_prompt(prompt)
+        logits = prefill_logits(fp32, ids + theirs)[len(ids) - 1 :]
+        assert_greedy_match(ours, theirs, logits, atol=2e-2, rtol=2e-3, label=prompt)
