@@ -55,7 +55,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--draft", default=None, help="draft model for --drafter draft: HF directory or .gguf file "
                    "sharing the target's vocabulary, or 'default' (also used when omitted): the draft shipped "
                    "with specfork for the embedded model")
-    s.add_argument("--k", type=int, default=5, help="tokens proposed per SD round (default: 5)")
+    s.add_argument("--k", type=_k_value, default=5,
+                   help="tokens proposed per round, or auto (SD): chosen from the draft and target step times "
+                   "measured at start-up and the acceptance observed while generating; the choice and its "
+                   "reasons are reported (default: 5)")
     s.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram matched by --drafter ngram (default: 1)")
     s.add_argument("--ngram-max", type=int, default=4, help="longest n-gram matched by --drafter ngram (default: 4)")
     x = p.add_argument_group("SSD (--mode ssd)")
@@ -85,6 +88,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="batch-invariant kernels: greedy SD output is bit-identical to AR output (slower)")
     g.add_argument("--seed", type=int, default=None,
                    help="sampling seed of every request (default: a per-request seed derived from 0)")
+
+
+def _k_value(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer or auto, got {text!r}") from None
 
 
 def _engine_options(args: argparse.Namespace) -> dict:
@@ -408,6 +420,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if "ssd_cache_hit_rate" in agg:
             summary += f"; SSD cache hit rate {agg['ssd_cache_hit_rate']:.2f}"
         print(summary, file=sys.stderr)
+        _print_auto_k(llm)
         return 0
     if args.raw or llm.tokenizer is None or not llm.tokenizer.has_chat_template:
         ids = llm.engine.encode_prompt(args.prompt)
@@ -428,9 +441,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         extra += f", SSD cache hit rate {m['ssd_cache_hit_rate']:.2f}"
     print(f"[{m['num_generated_tokens']} tokens, {m['time_s']:.2f} s, "
           f"{m['num_generated_tokens'] / m['time_s']:.1f} tok/s, finish: {out.finish_reason}{extra}]", file=sys.stderr)
+    _print_auto_k(llm)
     if args.output:
         args.output.write_text(json.dumps({"token_ids": out.token_ids, "text": out.text, "metrics": m}) + "\n")
     return 0
+
+
+def _print_auto_k(llm) -> None:
+    auto_k = getattr(llm.engine.step_strategy, "auto_k", None)
+    if auto_k is not None:
+        print(f"k auto chose {auto_k.explain()}", file=sys.stderr)
 
 
 def cmd_train_draft(args: argparse.Namespace) -> int:

@@ -32,7 +32,8 @@ class Config:
         ``ngram_min``..``ngram_max`` tokens).
     draft: the draft checkpoint; None or "default" takes the draft shipped with specfork for
         the target (there is one for the embedded model).
-    k: tokens proposed per speculative round.
+    k: tokens proposed per speculative round, or "auto" (SD only): chosen from the measured draft
+        and target step times and the acceptance observed so far (``spec/auto_k.py``).
     fan_out: SSD branches pre-drafted per verification outcome (uniform F).
     fan_out_list / fan_out_list_miss: per-outcome fan-out (k + 1 entries, or "geometric:TOTAL" for
         the paper's capped-geometric allocation) for rounds that hit / missed the cache; they
@@ -67,7 +68,7 @@ class Config:
     mode: str = "ar"
     drafter: str = "draft"
     draft: str | None = None
-    k: int = 5
+    k: int | str = 5
     ngram_min: int = 1
     ngram_max: int = 4
     deterministic: bool = False
@@ -108,8 +109,13 @@ class Config:
             raise SpecforkError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.drafter not in DRAFTERS:
             raise SpecforkError(f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
-        _positive("k", self.k)
-        if self.k > 32:
+        if self.k == "auto":
+            if self.mode == "ssd":
+                raise SpecforkError("k 'auto' is for SD; SSD's k also shapes the drafter's tree: set it, "
+                                    "e.g. from `specfork bench --sweep k=2,3,5`")
+        else:
+            _positive("k", self.k)
+        if self.k_max > 32:
             raise SpecforkError(f"k must be at most 32, got {self.k}")
         _positive("ngram_min", self.ngram_min)
         _positive("ngram_max", self.ngram_max)
@@ -157,14 +163,25 @@ class Config:
         from specfork.spec.ssd.fanout import parse_fanout, uniform_fanout
 
         hit = self.fan_out_list
-        hit = tuple(parse_fanout(hit, self.k) if hit is not None else uniform_fanout(self.k, self.fan_out))
+        hit = tuple(parse_fanout(hit, self.k_max) if hit is not None else uniform_fanout(self.k_max, self.fan_out))
         miss = self.fan_out_list_miss
-        return hit, (tuple(parse_fanout(miss, self.k)) if miss is not None else hit)
+        return hit, (tuple(parse_fanout(miss, self.k_max)) if miss is not None else hit)
+
+    @property
+    def auto_k(self) -> bool:
+        return self.k == "auto"
+
+    @property
+    def k_max(self) -> int:
+        """The most tokens a round may propose."""
+        from specfork.spec.auto_k import K_MAX
+
+        return K_MAX if self.auto_k else self.k
 
     @property
     def lookahead(self) -> int:
         """KV slots a decode step writes beyond the next token."""
-        return 0 if self.mode == "ar" else self.k
+        return 0 if self.mode == "ar" else self.k_max
 
     @property
     def torch_dtype_name(self) -> str:

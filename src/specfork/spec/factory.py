@@ -32,7 +32,14 @@ def build_speculative_step(engine: LLMEngine) -> SpeculativeStep:
             block_size=config.block_size,
             device=engine.device,
         )
-    return SpeculativeStep(engine.runner, proposer, k=config.k, max_model_len=engine.max_model_len)
+    auto_k = None
+    if config.auto_k:
+        from specfork.spec.auto_k import K_MAX, AutoK, StepCosts, measure_forward
+
+        verify = tuple(measure_forward(engine.runner, engine.block_manager, m) for m in range(1, K_MAX + 2))
+        draft_s = 0.0 if config.drafter == "ngram" else measure_forward(proposer.runner, proposer.blocks, 1)
+        auto_k = AutoK(StepCosts(draft_s, verify))
+    return SpeculativeStep(engine.runner, proposer, k=config.k_max, max_model_len=engine.max_model_len, auto_k=auto_k)
 
 
 def build_ssd_step(engine: LLMEngine) -> SpeculativeStep:

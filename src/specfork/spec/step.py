@@ -13,6 +13,7 @@ from specfork.engine.scheduler import ScheduledBatch
 from specfork.engine.sequence import Sequence
 from specfork.engine.step import sample_tokens, sampling_tensors
 from specfork.layers.sampler import logits_to_probs
+from specfork.spec.auto_k import AutoK
 from specfork.spec.proposer import Proposal, Proposer
 from specfork.spec.rejection import verify_greedy, verify_sampled
 
@@ -71,10 +72,13 @@ class SpecStats:
 class SpeculativeStep:
     """One round per decode step: each sequence gets up to ``k`` proposals verified together."""
 
-    def __init__(self, target: ModelRunner, proposer: Proposer, *, k: int, max_model_len: int) -> None:
+    def __init__(self, target: ModelRunner, proposer: Proposer, *, k: int, max_model_len: int,
+                 auto_k: AutoK | None = None) -> None:
+        """With ``auto_k``, each round proposes the number of tokens it currently chooses (at most ``k``)."""
         self.target = target
         self.proposer = proposer
         self.k = k
+        self.auto_k = auto_k
         self.lookahead = k
         self.max_model_len = max_model_len
         self.totals = SpecTotals()
@@ -85,7 +89,8 @@ class SpeculativeStep:
             sampling = [s for s, samples in zip(batch.seqs, batch.samples, strict=True) if samples]
             return {s: [t] for s, t in zip(sampling, sample_tokens(logits, sampling), strict=True)}
         seqs = batch.seqs
-        budgets = [self._budget(s) for s in seqs]
+        k = self.auto_k.k_for_round() if self.auto_k is not None else self.k
+        budgets = [self._budget(s, k) for s in seqs]
         t0 = time.perf_counter()
         proposal = self.proposer.propose(seqs, budgets)
         t1 = time.perf_counter()
@@ -102,7 +107,11 @@ class SpeculativeStep:
             seq.num_cached_tokens += 1 + result.num_accepted
             stats = seq.stats.setdefault("spec", SpecStats())
             stats.record(len(props), result.num_accepted, draft_s, target_s)
+            if self.auto_k is not None:
+                self.auto_k.observe(len(props), result.num_accepted)
             out[seq] = result.tokens
+        if self.auto_k is not None:
+            self.auto_k.end_round()
         return out
 
     def committed(self, seq: Sequence) -> None:
@@ -117,10 +126,10 @@ class SpeculativeStep:
         if close is not None:
             close()
 
-    def _budget(self, seq: Sequence) -> int:
+    def _budget(self, seq: Sequence, k: int) -> int:
         """Proposals worth verifying: never past max_tokens or the context length."""
         left = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq))
-        return max(0, min(self.k, left - 1))
+        return max(0, min(k, left - 1))
 
     def _score(self, seqs: list[Sequence], proposal: Proposal) -> torch.Tensor:
         """Target logits of every verify position, [sum(n_i + 1), V]: one forward over the last

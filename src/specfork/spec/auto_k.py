@@ -1,0 +1,138 @@
+"""``--k auto``: choose the number of speculated tokens from measured costs and acceptance.
+
+With a per-token acceptance probability a, a round that proposes k tokens yields
+E(k) = (1 - a^(k+1)) / (1 - a) tokens (accepted ones plus the bonus) and costs
+T(k) = k * t_draft + t_verify(k + 1), where t_verify(m) is one target forward over m rows. The
+step times are measured once on this machine when the engine is built; a is estimated from the
+recent rounds (the maximum-likelihood estimate for a geometric run of acceptances, with older
+rounds forgotten gradually and a weak prior) and k is re-planned every few rounds. k = 0 (plain decoding) is allowed when no
+speculation pays; a k = 1 probe round now and then keeps the estimate of a current.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+K_MAX = 8
+PRIOR_ALPHA = 0.5
+PRIOR_TRIALS = 4.0
+REPLAN_EVERY = 8  # rounds
+PROBE_EVERY = 32  # rounds at k = 0 between k = 1 probes
+DECAY = 0.98  # per round: acceptance counts forget with a horizon of about 50 rounds
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    draft_s: float  # one draft forward of one token (0 for n-gram lookup)
+    verify_s: tuple[float, ...]  # one target forward of m = 1 .. K_MAX + 1 rows, index m - 1
+
+
+def time_call(fn: Callable[[], object], repeat: int = 5) -> float:
+    fn()  # warm-up
+    samples = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples)
+
+
+def measure_forward(runner, block_manager, rows: int, context: int = 64) -> float:
+    """Median time of one decode-style forward of ``rows`` new tokens after ``context`` cached ones."""
+    from specfork.engine.sequence import Sequence
+    from specfork.sampling_params import SamplingParams
+
+    vocab = runner.model.config.vocab_size
+    tokens = [(1 + i * 7919) % vocab for i in range(context + rows)]
+    seq = Sequence(-1, tokens, SamplingParams(temperature=0.0), torch.Generator())
+    block_manager.grow(seq, len(tokens))
+    try:
+        runner.forward([seq], [0], [tokens[:context]], [context - 1], decode=False)
+        return time_call(lambda: runner.forward([seq], [context], [tokens[context:]], list(range(rows))))
+    finally:
+        block_manager.free(seq)
+
+
+@dataclass(frozen=True)
+class Plan:
+    k: int
+    alpha: float
+    expected_tokens: float
+    round_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.expected_tokens / self.round_s
+
+
+def plan(costs: StepCosts, alpha: float, k_max: int = K_MAX) -> list[Plan]:
+    """The expected rate of every k in 0..k_max, best first."""
+    plans = []
+    for k in range(0, k_max + 1):
+        expected = float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+        plans.append(Plan(k, alpha, expected, k * costs.draft_s + costs.verify_s[k]))
+    return sorted(plans, key=lambda p: -p.tokens_per_s)
+
+
+class AutoK:
+    """Holds the current choice of k and revises it as acceptance is observed."""
+
+    def __init__(self, costs: StepCosts, k_max: int = K_MAX) -> None:
+        self.costs = costs
+        self.k_max = k_max
+        self.accepted = 0.0
+        self.trials = 0.0
+        self.rounds = 0
+        self._since_plan = 0
+        self.current = plan(costs, self.alpha, k_max)[0]
+        logger.info("k auto: %s", self.explain())
+
+    @property
+    def alpha(self) -> float:
+        return (self.accepted + PRIOR_ALPHA * PRIOR_TRIALS) / (self.trials + PRIOR_TRIALS)
+
+    def k_for_round(self) -> int:
+        self.rounds += 1
+        if self.current.k == 0 and self.rounds % PROBE_EVERY == 0:
+            return 1
+        return self.current.k
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """One sequence's round: ``accepted`` of ``proposed`` draft tokens."""
+        if proposed == 0:
+            return
+        self.accepted += accepted
+        self.trials += accepted + (1 if accepted < proposed else 0)
+
+    def end_round(self) -> None:
+        self.accepted *= DECAY
+        self.trials *= DECAY
+        self._since_plan += 1
+        if self._since_plan >= REPLAN_EVERY:
+            self._since_plan = 0
+            best = plan(self.costs, self.alpha, self.k_max)[0]
+            if best.k != self.current.k:
+                logger.info("k auto: k %d -> %d (%s)", self.current.k, best.k, self._why(best))
+            self.current = best
+
+    def explain(self) -> str:
+        return self._why(self.current)
+
+    def _why(self, chosen: Plan) -> str:
+        ar = plan(self.costs, self.alpha, 0)[0]
+        verify = ", ".join(f"{t * 1000:.1f}" for t in self.costs.verify_s)
+        return (
+            f"k={chosen.k}: acceptance per token a={chosen.alpha:.2f} (recent draft positions, weighted: "
+            f"{self.trials:.0f}), "
+            f"draft step {self.costs.draft_s * 1000:.2f} ms, target forward of 1..{len(self.costs.verify_s)} rows "
+            f"[{verify}] ms -> {chosen.expected_tokens:.2f} tokens per {chosen.round_s * 1000:.1f} ms round = "
+            f"{chosen.tokens_per_s:.1f} tok/s expected vs {ar.tokens_per_s:.1f} tok/s without speculation"
+        )

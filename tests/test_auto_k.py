@@ -1,0 +1,59 @@
+"""``k auto``: the choice follows the cost model, and outputs stay those of AR."""
+
+from __future__ import annotations
+
+import pytest
+
+from specfork import LLM, SamplingParams, SpecforkError
+from specfork.spec.auto_k import AutoK, StepCosts, plan
+
+
+def test_plan_maximises_expected_tokens_per_second():
+    flat = StepCosts(draft_s=0.001, verify_s=tuple([0.010] * 9))  # verification as cheap as decoding
+    assert plan(flat, alpha=0.9)[0].k == 8  # high acceptance, cheap draft: speculate as far as allowed
+    assert plan(flat, alpha=0.05)[0].k == 0  # drafts almost never accepted: not worth a draft step
+    steep = StepCosts(draft_s=0.002, verify_s=tuple(0.010 * m for m in range(1, 10)))
+    assert plan(steep, alpha=0.9)[0].k == 0  # verifying m rows costs m decodes: nothing to gain
+    moderate = StepCosts(draft_s=0.001, verify_s=tuple(0.010 + 0.004 * (m - 1) for m in range(1, 10)))
+    best = plan(moderate, alpha=0.6)[0]
+    rates = {p.k: p.tokens_per_s for p in plan(moderate, alpha=0.6)}
+    assert best.tokens_per_s == max(rates.values()) and 0 < best.k < 8
+    # E(k) = (1 - a^(k+1)) / (1 - a); T(k) = k * t_draft + t_verify(k + 1)
+    two = next(p for p in plan(moderate, alpha=0.5) if p.k == 2)
+    assert two.expected_tokens == pytest.approx(1.75) and two.round_s == pytest.approx(2 * 0.001 + 0.018)
+
+
+def test_observed_acceptance_moves_the_choice():
+    costs = StepCosts(draft_s=0.001, verify_s=tuple(0.010 + 0.002 * (m - 1) for m in range(1, 10)))
+    auto = AutoK(costs)
+    for _ in range(64):  # every proposal rejected at once
+        auto.k_for_round()
+        auto.observe(max(auto.current.k, 1), 0)
+        auto.end_round()
+    assert auto.alpha < 0.1 and auto.current.k == 0
+    assert "k=0" in auto.explain() and "without speculation" in auto.explain()
+    for _ in range(256):  # now everything is accepted
+        k = auto.k_for_round()
+        auto.observe(k, k)
+        auto.end_round()
+    assert auto.alpha > 0.6 and auto.current.k > 0
+
+
+def test_k_auto_sd_equals_ar(tiny_checkpoints):
+    path = str(tiny_checkpoints["llama-gqa-tied"].path)
+    prompts = [[1, 5, 9, 5, 9, 5, 9, 5], [1, 2, 3, 4, 2, 3, 4, 2, 3]]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    ar = [o.token_ids for o in LLM(path, deterministic=True).generate(prompts, params)]
+    for drafter, draft in (("ngram", None), ("draft", str(tiny_checkpoints["llama3-rope-untied-sharded"].path))):
+        llm = LLM(path, mode="sd", drafter=drafter, draft=draft, k="auto", deterministic=True)
+        assert [o.token_ids for o in llm.generate(prompts, params)] == ar
+        auto = llm.engine.step_strategy.auto_k
+        assert len(auto.costs.verify_s) == 9 and all(t > 0 for t in auto.costs.verify_s)
+        assert (auto.costs.draft_s == 0) == (drafter == "ngram")
+
+
+def test_k_auto_is_refused_for_ssd_and_bad_k_values():
+    with pytest.raises(SpecforkError, match="k 'auto' is for SD"):
+        LLM(mode="ssd", k="auto")
+    with pytest.raises(SpecforkError, match="k must be"):
+        LLM(mode="sd", k="many")
