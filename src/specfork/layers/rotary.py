@@ -51,13 +51,26 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
+        half = emb.shape[-1] // 2
+        # rotate_half(x) * sin == roll(x, half) * cat(-sin[:half], sin[half:]) element for element
+        self.register_buffer("sin_signed", torch.cat((-emb.sin()[:, :half], emb.sin()[:, half:]), dim=-1),
+                             persistent=False)
+
+    def at(self, positions: torch.Tensor) -> RopeTables:
+        """The tables of these positions, gathered once per forward and shared by every layer."""
+        return RopeTables(self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1))
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T, Hq, D], k: [T, Hkv, D], positions: [T]
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        tables = self.at(positions)
+        return tables.apply(q), tables.apply(k)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+class RopeTables:
+    def __init__(self, cos: torch.Tensor, sin_signed: torch.Tensor) -> None:
+        self.cos, self.sin_signed = cos, sin_signed  # [T, 1, D]
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H, D] rotated (HF's rotate_half layout)."""
+        cos, sin = self.cos.to(x.dtype), self.sin_signed.to(x.dtype)
+        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin

@@ -19,7 +19,7 @@ from specfork.layers.attention import AttentionMetadata, paged_attention, write_
 from specfork.layers.linear import make_linear
 from specfork.layers.norm import RMSNorm
 from specfork.layers.quantized import QuantizedWeight, dense
-from specfork.layers.rotary import RotaryEmbedding
+from specfork.layers.rotary import RopeTables, RotaryEmbedding
 from specfork.models.config import ModelArchConfig
 
 WeightSource = Callable[[str], torch.Tensor | QuantizedWeight | None]
@@ -43,22 +43,14 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(_need(take, f"{prefix}.k_norm.weight"), cfg.rms_norm_eps)
         self.scale = cfg.head_dim**-0.5
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
-        cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RopeTables, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qk, v = qkv[:, : self.num_heads + self.num_kv_heads], qkv[:, self.num_heads + self.num_kv_heads :]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+            qk = torch.cat([self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], dim=1)
+        qk = rope.apply(qk)  # q and k heads rotated in one pass
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         write_kv(cache, k, v, meta.slot_mapping)
         out = paged_attention(q, cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
@@ -87,8 +79,8 @@ class DecoderLayer(nn.Module):
         )
         self.mlp = MLP(take, f"{prefix}.mlp")
 
-    def forward(self, x, positions, rotary, cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, cache, meta)
+    def forward(self, x, rope, cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -120,8 +112,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.at(positions)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rotary, cache, meta)
+            x = layer(x, rope, cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
