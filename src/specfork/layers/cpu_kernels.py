@@ -76,6 +76,12 @@ def quant_gemm():
 
 
 @cache
+def rms_norm():
+    """The compiled RMSNorm module, or None when it cannot be built here."""
+    return _build("rms_norm", "rms_norm.cpp", "PyTorch ops")
+
+
+@cache
 def paged_attention():
     """The compiled paged-attention module, or None when it cannot be built here."""
     return _build("paged_attention", "paged_attention.cpp", "gather + SDPA attention")
@@ -83,5 +89,5 @@ def paged_attention():
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO)
-    built = [small_m_gemm(), paged_attention(), quant_gemm()]
+    built = [small_m_gemm(), paged_attention(), quant_gemm(), rms_norm()]
     raise SystemExit(0 if all(m is not None for m in built) else 1)
