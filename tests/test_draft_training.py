@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from helpers import prefill_logits as runner_prefill_logits
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from specfork import LLM, SamplingParams
@@ -135,15 +136,7 @@ def test_held_out_examples_are_a_fixed_share():
 
 def prefill_logits(model_path, prompt: list[int]) -> torch.Tensor:
     """specfork's logits for every prompt position (the loader under test, no transformers)."""
-    from specfork.engine.sequence import Sequence
-
-    llm = LLM(str(model_path), deterministic=True)
-    seq = Sequence(-1, prompt, SamplingParams(temperature=0.0), torch.Generator())
-    llm.engine.block_manager.grow(seq, len(prompt))
-    try:
-        return llm.engine.runner.forward([seq], [0], [prompt], list(range(len(prompt))))
-    finally:
-        llm.engine.block_manager.free(seq)
+    return runner_prefill_logits(LLM(str(model_path), deterministic=True), prompt)
 
 
 def rounded_checkpoint(source, directory, out_type: str):

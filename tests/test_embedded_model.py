@@ -15,11 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_greedy_match, max_abs_diff
+from helpers import assert_greedy_match, max_abs_diff, prefill_logits
 from transformers import AutoModelForCausalLM
 
 from specfork import LLM, SamplingParams
-from specfork.engine.sequence import Sequence
 from specfork.loading.resolve import resolve_checkpoint
 
 MAX_TOKENS = 64
@@ -130,14 +129,8 @@ def test_greedy_matches_transformers(llm, hf_model, prompts, batched_outputs, in
 
 def test_prefill_logits_match_transformers(llm, hf_model, prompts):
     """All prompt positions of one chat and one code prompt, through the engine's runner."""
-    engine = llm.engine
     for prompt in (prompts[0], prompts[len(CHATS)]):
-        seq = Sequence(-1, prompt, SamplingParams(temperature=0.0), torch.Generator())
-        engine.block_manager.grow(seq, len(prompt))
-        try:
-            ours = engine.runner.forward([seq], [0], [prompt], list(range(len(prompt))))
-        finally:
-            engine.block_manager.free(seq)
+        ours = prefill_logits(llm, prompt)
         with torch.inference_mode():
             ref = hf_model(torch.tensor([prompt])).logits[0].float()
         diff = max_abs_diff(ours, ref)

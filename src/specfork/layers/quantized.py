@@ -76,7 +76,7 @@ class QuantizedWeight:
                         torch.cat([p.offset for p in parts]), parts[0].bits, "+".join(sorted({p.source for p in parts})),
                     )
             dense = [p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts]
-            return torch.cat(dense, **({"dim": dim}))
+            return torch.cat(dense, dim=dim)
         args = tuple(a.dequantize() if isinstance(a, QuantizedWeight) else a for a in args)
         return func(*args, **kwargs)
 

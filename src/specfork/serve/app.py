@@ -104,7 +104,7 @@ def build_app(loop: EngineLoop, metrics: ServerMetrics, served_model_name: str) 
         handle = _submit(loop, prompt_ids, params)
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
-            return _sse(_completion_chunks(loop, handle, rid, served_model_name, body, len(prompt_ids)))
+            return _sse(_stream_chunks(loop, handle, rid, served_model_name, body, len(prompt_ids), chat=False))
         output = await _wait(loop, handle, request)
         return {
             "id": rid, "object": "text_completion", "created": int(time.time()), "model": served_model_name,
@@ -126,7 +126,7 @@ def build_app(loop: EngineLoop, metrics: ServerMetrics, served_model_name: str) 
         handle = _submit(loop, prompt_ids, params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
-            return _sse(_chat_chunks(loop, handle, rid, served_model_name, body, len(prompt_ids)))
+            return _sse(_stream_chunks(loop, handle, rid, served_model_name, body, len(prompt_ids), chat=True))
         output = await _wait(loop, handle, request)
         return {
             "id": rid, "object": "chat.completion", "created": int(time.time()), "model": served_model_name,
@@ -240,46 +240,34 @@ def _error_chunk(event: Failed) -> dict:
     return ApiError(500, event.message, kind="server_error").body()
 
 
-async def _completion_chunks(loop: EngineLoop, handle: RequestHandle, rid: str, model: str,
-                             body: CompletionRequest, prompt_len: int) -> AsyncIterator[dict]:
+async def _stream_chunks(loop: EngineLoop, handle: RequestHandle, rid: str, model: str,
+                         body: GenerationRequest, prompt_len: int, *, chat: bool) -> AsyncIterator[dict]:
+    """SSE payloads of one request: ``text_completion`` chunks carrying ``text``, or (chat)
+    ``chat.completion.chunk`` chunks carrying a ``delta``, opened by the assistant role."""
     created = int(time.time())
+    kind = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(text: str, finish_reason: str | None, token_ids: list[int] | None = None) -> dict:
-        return {"id": rid, "object": "text_completion", "created": created, "model": model,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+    def chunk(text: str | None, finish_reason: str | None, token_ids: list[int] | None = None) -> dict:
+        if chat:
+            content = {"delta": {} if text is None else {"content": text}}
+        else:
+            content = {"text": text or ""}
+        return {"id": rid, "object": kind, "created": created, "model": model,
+                "choices": [{"index": 0, **content, "logprobs": None, "finish_reason": finish_reason,
                              **_token_ids(body, token_ids or [])}]}
 
+    if chat:
+        opening = chunk("", None)
+        opening["choices"][0]["delta"]["role"] = "assistant"
+        yield opening
     async for event in _events(loop, handle):
         if isinstance(event, Piece):
             if event.text or body.return_token_ids:
                 yield chunk(event.text, None, event.token_ids)
         elif isinstance(event, Finished):
-            yield chunk("", event.output.finish_reason)
+            yield chunk(None, event.output.finish_reason)
             if body.stream_options is not None and body.stream_options.include_usage:
-                yield {"id": rid, "object": "text_completion", "created": created, "model": model,
-                       "choices": [], "usage": _usage(prompt_len, event.output)}
-        else:
-            yield _error_chunk(event)
-
-
-async def _chat_chunks(loop: EngineLoop, handle: RequestHandle, rid: str, model: str,
-                       body: ChatCompletionRequest, prompt_len: int) -> AsyncIterator[dict]:
-    created = int(time.time())
-
-    def chunk(delta: dict, finish_reason: str | None, token_ids: list[int] | None = None) -> dict:
-        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
-                             **_token_ids(body, token_ids or [])}]}
-
-    yield chunk({"role": "assistant", "content": ""}, None)
-    async for event in _events(loop, handle):
-        if isinstance(event, Piece):
-            if event.text or body.return_token_ids:
-                yield chunk({"content": event.text}, None, event.token_ids)
-        elif isinstance(event, Finished):
-            yield chunk({}, event.output.finish_reason)
-            if body.stream_options is not None and body.stream_options.include_usage:
-                yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                yield {"id": rid, "object": kind, "created": created, "model": model,
                        "choices": [], "usage": _usage(prompt_len, event.output)}
         else:
             yield _error_chunk(event)
