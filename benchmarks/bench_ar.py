@@ -35,7 +35,7 @@ import torch
 
 from specfork import LLM, SamplingParams
 from specfork.bench.datasets import encode, load_prompts
-from specfork.layers.cpu_kernels import small_m_gemm
+from specfork.layers.cpu_kernels import kernels as native_kernels
 from specfork.layers.linear import DenseLinear
 from specfork.layers.norm import RMSNorm
 from specfork.loading.resolve import resolve_checkpoint
@@ -256,7 +256,7 @@ def main() -> None:
 
     results = {
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
-                    "torch": torch.__version__, "native_kernel": small_m_gemm() is not None},
+                    "torch": torch.__version__, "native_kernel": native_kernels() is not None},
         "args": vars(args), "bytes_per_token": nbytes, "runs": [],
     }
     print(f"{MODEL}: {nbytes['weights'] / 1e6:.1f} MB of weights read per decoded token "

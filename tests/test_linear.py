@@ -4,7 +4,7 @@ float64 reference, and the native kernel computes every row independently of the
 import pytest
 import torch
 
-from specfork.layers.cpu_kernels import small_m_gemm
+from specfork.layers.cpu_kernels import kernels as native_kernels
 from specfork.layers.linear import DenseLinear, set_batch_invariant
 
 
@@ -15,7 +15,7 @@ def _reference(x, w, b):
 
 @pytest.fixture(scope="module")
 def kernels():
-    module = small_m_gemm()
+    module = native_kernels()
     assert module is not None, "install.sh builds the native kernel; it must be available in the test env"
     return module
 

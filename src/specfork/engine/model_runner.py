@@ -7,7 +7,7 @@ import torch
 
 from specfork.engine.scheduler import ScheduledBatch
 from specfork.layers.attention import AttentionMetadata
-from specfork.layers.cpu_kernels import paged_attention as native_paged_attention
+from specfork.layers.cpu_kernels import kernels as native_kernels
 from specfork.layers.linear import set_batch_invariant
 from specfork.models.llama import LlamaForCausalLM
 
@@ -30,7 +30,7 @@ class ModelRunner:
         set_batch_invariant(model, deterministic)
         dtype = model.embed_tokens.weight.dtype
         self.native_decode_attention = (
-            device.type == "cpu" and dtype == torch.float32 and native_paged_attention() is not None
+            device.type == "cpu" and dtype == torch.float32 and native_kernels() is not None
         )
         self.device = device
         self.block_size = block_size

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specfork.layers.cpu_kernels import paged_attention as native_paged_attention
+from specfork.layers.cpu_kernels import kernels as native_kernels
 
 
 @dataclass(slots=True)
@@ -54,7 +54,7 @@ def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping
 
 def paged_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     if meta.native_decode:
-        kernels = native_paged_attention()
+        kernels = native_kernels()
         return kernels.paged_attention_decode(q, cache, meta.block_tables, meta.seq_index, meta.positions, scale)
     if meta.batch_invariant:
         return paged_attention_invariant(q, cache, meta, scale)

@@ -20,22 +20,32 @@ def build_directory() -> Path:
     return Path.home() / ".cache" / "specfork" / "kernels"
 
 
-FLAGS = ("-O3", "-march=native", "-fopenmp")
-STALE_LOCK_S = 600.0  # a build takes about a minute; an older lock was left by a killed build
+# -ffp-contract=off: no multiply-add is fused unless the code asks for it (__builtin_fmaf, FMA
+# intrinsics), so element-wise arithmetic rounds exactly as the same PyTorch ops do.
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
+STALE_LOCK_S = 600.0  # a build takes a few minutes; an older lock was left by a killed build
+SOURCES = ("small_m_gemm.cpp", "quant_gemm.cpp", "rms_norm.cpp", "paged_attention.cpp", "decoder_layer.cpp",
+           "bindings.cpp")
 
 
-def _build(name: str, source: str, fallback: str):
-    """Import the kernel built for exactly this source, torch version and flags, building it first
-    if needed. A finished build is imported directly, without torch's build lock: a process killed
-    while holding that lock would otherwise leave every later process waiting on it forever."""
+@cache
+def kernels():
+    """The compiled kernel module, or None when it cannot be built here (no compiler, no headers, ...;
+    every caller then runs an exact, slower PyTorch path).
+
+    It is imported from a directory keyed by the sources, the torch version and the flags, building
+    it first if needed. A finished build is imported directly, without torch's build lock: a process
+    killed while holding that lock would otherwise leave every later process waiting on it forever."""
     try:
         import torch
         from torch.utils.cpp_extension import load
 
-        code = (_CSRC / source).read_bytes()
-        key = hashlib.sha256(code + torch.__version__.encode() + repr(FLAGS).encode()).hexdigest()[:16]
-        directory = build_directory() / f"{name}-{key}"
-        module_name = f"specfork_{name}"
+        files = [_CSRC / name for name in SOURCES] + [_CSRC / "kernels.h"]
+        digest = hashlib.sha256(torch.__version__.encode() + repr(FLAGS).encode())
+        for path in files:
+            digest.update(path.name.encode() + path.read_bytes())
+        directory = build_directory() / f"kernels-{digest.hexdigest()[:16]}"
+        module_name = "specfork_kernels"
         library = directory / f"{module_name}.so"
         if library.exists():
             return _import(module_name, library)
@@ -45,14 +55,14 @@ def _build(name: str, source: str, fallback: str):
             lock.unlink(missing_ok=True)
         return load(
             name=module_name,
-            sources=[str(_CSRC / source)],
+            sources=[str(_CSRC / name) for name in SOURCES],
             build_directory=str(directory),
             extra_cflags=list(FLAGS),
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
-    except Exception as e:  # no compiler, no headers, ...: the fallback is exact, only slower
-        logger.warning("native kernel %s unavailable (%s); using %s", name, e, fallback)
+    except Exception as e:
+        logger.warning("native CPU kernels unavailable (%s); using PyTorch ops", e)
         return None
 
 
@@ -63,31 +73,6 @@ def _import(module_name: str, library: Path):
     return module
 
 
-@cache
-def small_m_gemm():
-    """The compiled small-M GEMM module, or None when it cannot be built here."""
-    return _build("small_m_gemm", "small_m_gemm.cpp", "PyTorch matmul")
-
-
-@cache
-def quant_gemm():
-    """The compiled block-quantised (Q4/Q8) GEMM module, or None when it cannot be built here."""
-    return _build("quant_gemm", "quant_gemm.cpp", "dequantised float32 weights")
-
-
-@cache
-def rms_norm():
-    """The compiled RMSNorm module, or None when it cannot be built here."""
-    return _build("rms_norm", "rms_norm.cpp", "PyTorch ops")
-
-
-@cache
-def paged_attention():
-    """The compiled paged-attention module, or None when it cannot be built here."""
-    return _build("paged_attention", "paged_attention.cpp", "gather + SDPA attention")
-
-
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO)
-    built = [small_m_gemm(), paged_attention(), quant_gemm(), rms_norm()]
-    raise SystemExit(0 if all(m is not None for m in built) else 1)
+    raise SystemExit(0 if kernels() is not None else 1)

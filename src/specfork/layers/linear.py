@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specfork.layers.cpu_kernels import small_m_gemm
+from specfork.layers.cpu_kernels import kernels as native_kernels
 from specfork.layers.quantized import QuantizedWeight, quantized_linear
 
 # Without the native kernel, BLAS picks another kernel (and summation order) for very few rows;
@@ -34,7 +34,7 @@ class DenseLinear(nn.Module):
         self.packed = self.weight_t = None
         self._kernels = None
         if weight.device.type == "cpu" and weight.dtype == torch.float32:
-            self._kernels = small_m_gemm()
+            self._kernels = native_kernels()
             if self._kernels is not None:
                 self.packed = nn.Parameter(self._kernels.pack_weight(weight), requires_grad=False)
             else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specfork.layers.cpu_kernels import rms_norm as rms_norm_kernel
+from specfork.layers.cpu_kernels import kernels as native_kernels
 
 
 class RMSNorm(nn.Module):
@@ -13,7 +13,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.eps = eps
-        self._kernel = rms_norm_kernel() if weight.device.type == "cpu" and weight.dtype == torch.float32 else None
+        self._kernel = native_kernels() if weight.device.type == "cpu" and weight.dtype == torch.float32 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._kernel is not None and x.dtype == torch.float32 and x.device.type == "cpu":

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from specfork.layers.cpu_kernels import quant_gemm
+from specfork.layers.cpu_kernels import kernels as native_kernels
 
 Q4, Q8 = 4, 8
 GGUF_BLOCK = 32
@@ -152,7 +152,7 @@ class QuantizedLinear(nn.Module):
 
 def quantized_linear(weight: QuantizedWeight, bias: torch.Tensor | None) -> nn.Module | None:
     """The native quantised layer, or None where it cannot run (no compiler, odd shapes)."""
-    kernels = quant_gemm()
+    kernels = native_kernels()
     if kernels is None or weight.q.device.type != "cpu":
         return None
     if bias is not None and bias.dtype != torch.float32:

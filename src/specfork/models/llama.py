@@ -16,6 +16,7 @@ from torch import nn
 
 from specfork.errors import ModelLoadError
 from specfork.layers.attention import AttentionMetadata, paged_attention, write_kv
+from specfork.layers.fused_layer import fuse_decoder_layer
 from specfork.layers.linear import make_linear
 from specfork.layers.norm import RMSNorm
 from specfork.layers.quantized import QuantizedWeight, dense
@@ -78,8 +79,17 @@ class DecoderLayer(nn.Module):
             _need(take, f"{prefix}.post_attention_layernorm.weight"), cfg.rms_norm_eps
         )
         self.mlp = MLP(take, f"{prefix}.mlp")
+        attn = self.self_attn
+        self.fused_decode = None  # one native call for decode/verify steps (layers/fused_layer.py)
+        if attn.q_norm is None:
+            self.fused_decode = fuse_decoder_layer(
+                self.input_layernorm, (attn.qkv_proj, attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj),
+                self.post_attention_layernorm, attn.num_heads, attn.num_kv_heads, attn.scale,
+            )
 
     def forward(self, x, rope, cache, meta):
+        if meta.native_decode and self.fused_decode is not None:
+            return self.fused_decode(x, rope, cache, meta)
         x = x + self.self_attn(self.input_layernorm(x), rope, cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 

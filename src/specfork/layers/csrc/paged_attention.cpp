@@ -5,7 +5,7 @@
 // keys 0..pos[t] (causal). Scores, the softmax and the weighted sum are computed for each
 // (query, head) alone, over keys in order, so a query's output never depends on which other
 // queries or sequences share the call (batch-invariant by construction).
-#include <torch/extension.h>
+#include "kernels.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -98,8 +98,4 @@ torch::Tensor paged_attention_decode(const torch::Tensor& q_in,         // [T, H
     }
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention_decode", &paged_attention_decode, "causal paged attention for few queries per sequence");
 }

@@ -2,187 +2,210 @@
 // y[M, N] = x[M, K] @ W^T (+ bias), W never materialised in fp32.
 //
 // GGUF stores each output row in blocks of 32 inputs: Q4_0 w = d * (q - 8), Q4_1 w = d * q + m
-// (q in 0..15), Q8_0 w = d * q (q in -128..127), with one fp16 d (and m) per block. At load the
-// blocks are repacked, unchanged, into column tiles of 32 outputs: per tile and input k the 32
-// quantized values (16 bytes of nibbles for Q4: byte j holds outputs j and j + 16; 32 int8 for Q8),
-// and per tile and block of 32 inputs the 32 scales and 32 offsets as fp32 (Q4_0's offset is -8d).
-// A call reads each tile once and applies it to every input row, so verifying several tokens costs
-// little more than decoding one (see tile_kernel for the arithmetic). Each output is accumulated in
-// a fixed order whatever the number of rows: a row's result never depends on the other rows.
-#include <torch/extension.h>
+// (q in 0..15), Q8_0 w = d * q (q in -128..127), with one fp16 d (and m) per block. Within a group of
+// inputs sharing d and o, write w = d * (q - c) + o' with c = 8 for Q4 (o' = o + 8d: 0 for Q4_0) and
+// c = 0 for Q8 (o' = 0); then
+//   sum_k x_k w_k = d * sum_k x_k (q_k - c) + o' * sum_k x_k,
+// so the inner loop only needs the integer q. The activations of each row and group are rounded to
+// int16 (x ~ s * xq, s = max|x| / 32767, relative error <= 2^-16 of the group's largest input; llama.cpp
+// rounds them to int8, 256 times coarser), which turns the inner loop into exact integer
+// multiply-adds: AVX2's vpmaddwd does 16 of them per instruction where a float FMA does 8, and needs
+// no int->float conversion of the weights. Per group the exact int32 sum is scaled once:
+//   y += (d * s) * float(sum_k xq_k q_k - c * sum_k xq_k) + o' * sum_k x_k
+// (the last sum over the float inputs). Centring on c halves the rounding error for Q4: each input's
+// error (at most s / 2) is multiplied by |q - c| <= 8 instead of q <= 15.
+//
+// Layout (made by pack_quantized, weights unchanged): tiles of 32 outputs; per tile and pair of inputs
+// (k, k + 1) one "unit" of 16-bit lanes, lane 2p + e holding q[j, k + e] for output j = 8f + p, where
+// f = 0..3 picks the field: Q4 packs the four fields as the four nibbles of each lane (32 bytes per
+// unit), Q8 as the low and high bytes of two 32-byte halves (64 bytes per unit). vpmaddwd of field f
+// with the broadcast pair (xq_k, xq_k+1) then yields the 8 partial sums of outputs 8f..8f+7. Scales
+// and offsets are fp32 [tiles, groups, 32].
+//
+// Integer sums are exact, and the float epilogue runs in the same order for every row, so a row's
+// result never depends on how many other rows share the call (batch-invariant by construction), and
+// the AVX2 and portable paths give identical results.
+#include "kernels.h"
 #include <ATen/Parallel.h>
 
+#include <cmath>
 #include <cstdint>
-#include <type_traits>
-#if defined(__AVX2__) && defined(__FMA__)
+#include <cstring>
+#include <limits>
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
-constexpr int64_t kTile = 32;       // output columns per tile
-constexpr int64_t kMaxGroup = 128;  // largest quantisation group (inputs sharing one scale)
+constexpr int64_t kTile = 32;        // output columns per tile
+constexpr int64_t kMaxGroup = 128;   // largest quantisation group (inputs sharing one scale)
+constexpr int64_t kRowBlock = 8;     // rows sharing one pass over a group's weights
+constexpr float kInt16Max = 32767.0f;
 
 enum Format : int64_t { kQ4 = 4, kQ8 = 8 };
 
-// q of one input k of a tile as floats (exact: 0..15 or -128..127).
 template <int FMT>
-inline void unpack_values(const uint8_t* __restrict qk, float* __restrict v) {
+constexpr int64_t unit_bytes() { return FMT == kQ4 ? 32 : 64; }
+
+template <int FMT>
+constexpr int32_t kCentre = FMT == kQ4 ? 8 : 0;  // c: the weights' integer zero
+
+// The int16 pair (xq[2kp], xq[2kp + 1]) as one int32, for broadcasting.
+inline int32_t input_pair(const int16_t* xq, int64_t kp) {
+  int32_t v;
+  std::memcpy(&v, xq + 2 * kp, sizeof v);
+  return v;
+}
+
+// q of output 8f + p, input k + e, from a unit (portable path; lane = 2p + e).
+template <int FMT>
+inline int32_t unit_value(const uint8_t* unit, int f, int lane) {
   if constexpr (FMT == kQ4) {
-#pragma GCC ivdep
-    for (int j = 0; j < kTile / 2; ++j) {
-      v[j] = static_cast<float>(qk[j] & 15);
-      v[j + kTile / 2] = static_cast<float>(qk[j] >> 4);
-    }
+    const uint16_t v = static_cast<uint16_t>(unit[2 * lane] | (unit[2 * lane + 1] << 8));
+    return (v >> (4 * f)) & 15;
   } else {
-    const int8_t* __restrict qs = reinterpret_cast<const int8_t*>(qk);
-#pragma GCC ivdep
-    for (int j = 0; j < kTile; ++j) v[j] = static_cast<float>(qs[j]);
+    return static_cast<int8_t>(unit[(f / 2) * 32 + 2 * lane + (f % 2)]);
   }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-// AVX2 versions of the two group dot products below: the same FMAs in the same order (lane j of
-// vector c holds output 8c + j), so they give bit-identical results, only faster.
-inline __m256 unpack8(const uint8_t* qk, int c, std::integral_constant<int, kQ4>) {
-  // outputs 0..15 are the low nibbles of bytes 0..15, outputs 16..31 the high nibbles
-  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qk + (c % 2) * 8));
-  const __m128i nib = c < 2 ? _mm_and_si128(bytes, _mm_set1_epi8(15))
-                            : _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(15));
-  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nib));
-}
-inline __m256 unpack8(const uint8_t* qk, int c, std::integral_constant<int, kQ8>) {
-  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qk + c * 8));
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
-}
-
-inline void group_dot_unpacked(const float* __restrict xm, const float* __restrict v, int64_t group,
-                               float* __restrict part) {
-  __m256 p0[4], p1[4];
-  for (int c = 0; c < 4; ++c) p0[c] = p1[c] = _mm256_setzero_ps();
-  for (int64_t kk = 0; kk < group; kk += 2) {
-    const __m256 xa = _mm256_set1_ps(xm[kk]), xb = _mm256_set1_ps(xm[kk + 1]);
-    const float* va = v + kk * kTile;
-    for (int c = 0; c < 4; ++c) {
-      p0[c] = _mm256_fmadd_ps(xa, _mm256_load_ps(va + 8 * c), p0[c]);
-      p1[c] = _mm256_fmadd_ps(xb, _mm256_load_ps(va + kTile + 8 * c), p1[c]);
-    }
-  }
-  for (int c = 0; c < 4; ++c) _mm256_storeu_ps(part + 8 * c, _mm256_add_ps(p0[c], p1[c]));
-}
-
-template <int FMT>
-inline void group_dot_packed(const float* __restrict xm, const uint8_t* __restrict qg, int64_t group,
-                             float* __restrict part) {
-  constexpr int64_t bytes = FMT == kQ4 ? kTile / 2 : kTile;
-  __m256 p0[4], p1[4];
-  for (int c = 0; c < 4; ++c) p0[c] = p1[c] = _mm256_setzero_ps();
-  for (int64_t kk = 0; kk < group; kk += 2) {
-    const __m256 xa = _mm256_set1_ps(xm[kk]), xb = _mm256_set1_ps(xm[kk + 1]);
-    const uint8_t* qa = qg + kk * bytes;
-    const uint8_t* qb = qa + bytes;
-    for (int c = 0; c < 4; ++c) {
-      p0[c] = _mm256_fmadd_ps(xa, unpack8(qa, c, std::integral_constant<int, FMT>{}), p0[c]);
-      p1[c] = _mm256_fmadd_ps(xb, unpack8(qb, c, std::integral_constant<int, FMT>{}), p1[c]);
-    }
-  }
-  for (int c = 0; c < 4; ++c) _mm256_storeu_ps(part + 8 * c, _mm256_add_ps(p0[c], p1[c]));
-}
-#else
-// part[j] = sum over the group of x_k * q_kj, from values unpacked to floats (v [group, 32]).
-// Two chains (even and odd k) summed at the end; the same order as group_dot_packed.
-inline void group_dot_unpacked(const float* __restrict xm, const float* __restrict v, int64_t group,
-                               float* __restrict part) {
-  float p0[kTile], p1[kTile];
-  for (int j = 0; j < kTile; ++j) p0[j] = p1[j] = 0.0f;
-  for (int64_t kk = 0; kk < group; kk += 2) {
-    const float xa = xm[kk], xb = xm[kk + 1];
-    const float* __restrict va = v + kk * kTile;
-    const float* __restrict vb = va + kTile;
-    for (int j = 0; j < kTile; ++j) {
-      p0[j] = __builtin_fmaf(xa, va[j], p0[j]);
-      p1[j] = __builtin_fmaf(xb, vb[j], p1[j]);
-    }
-  }
-  for (int j = 0; j < kTile; ++j) part[j] = p0[j] + p1[j];
-}
-
-// The same sum straight from the packed values (one row: nothing to reuse).
-template <int FMT>
-inline void group_dot_packed(const float* __restrict xm, const uint8_t* __restrict qg, int64_t group,
-                             float* __restrict part) {
-  constexpr int64_t bytes = FMT == kQ4 ? kTile / 2 : kTile;
-  float p0[kTile], p1[kTile];
-  for (int j = 0; j < kTile; ++j) p0[j] = p1[j] = 0.0f;
-  for (int64_t kk = 0; kk < group; kk += 2) {
-    alignas(64) float va[kTile], vb[kTile];
-    unpack_values<FMT>(qg + kk * bytes, va);
-    unpack_values<FMT>(qg + (kk + 1) * bytes, vb);
-    const float xa = xm[kk], xb = xm[kk + 1];
-    for (int j = 0; j < kTile; ++j) {
-      p0[j] = __builtin_fmaf(xa, va[j], p0[j]);
-      p1[j] = __builtin_fmaf(xb, vb[j], p1[j]);
-    }
-  }
-  for (int j = 0; j < kTile; ++j) part[j] = p0[j] + p1[j];
-}
-#endif
-
-// One tile (32 outputs) for MB rows. Within a group of inputs sharing d and o,
-//   sum_k x_k (q_k d + o) = d * sum_k x_k q_k + o * sum_k x_k,
-// so the inner loop is one convert and one FMA per weight, and the scales are applied once per
-// group. For several rows the converted values of a group are kept in an L1 buffer and reused.
-// The order of operations is the same for every MB, so a row's result never depends on the others.
-template <int MB, int FMT>
-void tile_kernel(const float* __restrict x, int64_t ldx, const float* __restrict xsum, int64_t groups,
-                 const uint8_t* __restrict q, const float* __restrict scale, const float* __restrict offset, int64_t K,
-                 int64_t group, float* __restrict y, int64_t ldy, int64_t ncols, const float* __restrict bias) {
-  constexpr int64_t bytes = FMT == kQ4 ? kTile / 2 : kTile;
-  float acc[MB][kTile];
-  for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < kTile; ++j) acc[m][j] = 0.0f;
-  alignas(64) float v[kMaxGroup * kTile];
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* __restrict qg = q + g * group * bytes;
-    const float* __restrict d = scale + g * kTile;
-    const float* __restrict o = offset + g * kTile;
-    const int64_t k0 = g * group;
-    if constexpr (MB > 1) {
-      for (int64_t kk = 0; kk < group; ++kk) unpack_values<FMT>(qg + kk * bytes, v + kk * kTile);
-    }
-    for (int m = 0; m < MB; ++m) {
-      alignas(64) float part[kTile];
-      if constexpr (MB > 1) {
-        group_dot_unpacked(x + m * ldx + k0, v, group, part);
+// sums[m][j] = sum over the group's input pairs of xq[m] . q[j] (exact int32), for MB rows.
+template <int FMT, int MB>
+inline void group_sums(const int16_t* const* xq, const uint8_t* __restrict units, int64_t pairs,
+                       int32_t (*sums)[kTile]) {
+#if defined(__AVX2__)
+  const __m256i low4 = _mm256_set1_epi16(15);
+  if constexpr (MB == 1) {
+    // One row: unpack each unit once into its four fields and use them at once.
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t kp = 0; kp < pairs; ++kp) {
+      const __m256i xp = _mm256_set1_epi32(input_pair(xq[0], kp));
+      const uint8_t* u = units + kp * unit_bytes<FMT>();
+      __m256i w0, w1, w2, w3;
+      if constexpr (FMT == kQ4) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u));
+        w0 = _mm256_and_si256(v, low4);
+        w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        w2 = _mm256_and_si256(_mm256_srli_epi16(v, 8), low4);
+        w3 = _mm256_srli_epi16(v, 12);
       } else {
-        group_dot_packed<FMT>(x + m * ldx + k0, qg, group, part);
+        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u));
+        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 32));
+        w0 = _mm256_srai_epi16(_mm256_slli_epi16(v0, 8), 8);
+        w1 = _mm256_srai_epi16(v0, 8);
+        w2 = _mm256_srai_epi16(_mm256_slli_epi16(v1, 8), 8);
+        w3 = _mm256_srai_epi16(v1, 8);
       }
-      const float xs = xsum[m * groups + g];
-#pragma GCC ivdep
-      for (int j = 0; j < kTile; ++j) acc[m][j] = __builtin_fmaf(o[j], xs, __builtin_fmaf(d[j], part[j], acc[m][j]));
+      a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(w0, xp));
+      a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(w1, xp));
+      a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(w2, xp));
+      a3 = _mm256_add_epi32(a3, _mm256_madd_epi16(w3, xp));
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums[0]), a0);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums[0] + 8), a1);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums[0] + 16), a2);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums[0] + 24), a3);
+  } else {
+    // Several rows: one field at a time, so the accumulators of all MB rows stay in registers.
+    for (int f = 0; f < 4; ++f) {
+      __m256i acc[MB];
+      for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_si256();
+      for (int64_t kp = 0; kp < pairs; ++kp) {
+        const uint8_t* u = units + kp * unit_bytes<FMT>();
+        __m256i w;
+        if constexpr (FMT == kQ4) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u));
+          w = f == 3 ? _mm256_srli_epi16(v, 12) : _mm256_and_si256(_mm256_srli_epi16(v, 4 * f), low4);
+        } else {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + (f / 2) * 32));
+          w = f % 2 ? _mm256_srai_epi16(v, 8) : _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8);
+        }
+        for (int m = 0; m < MB; ++m) {
+          const __m256i xp = _mm256_set1_epi32(input_pair(xq[m], kp));
+          acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(w, xp));
+        }
+      }
+      for (int m = 0; m < MB; ++m) _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums[m] + 8 * f), acc[m]);
     }
   }
+#else
   for (int m = 0; m < MB; ++m)
-    for (int64_t j = 0; j < ncols; ++j) y[m * ldy + j] = acc[m][j] + (bias ? bias[j] : 0.0f);
+    for (int j = 0; j < kTile; ++j) sums[m][j] = 0;
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    const uint8_t* u = units + kp * unit_bytes<FMT>();
+    for (int f = 0; f < 4; ++f)
+      for (int p = 0; p < 8; ++p) {
+        const int32_t q0 = unit_value<FMT>(u, f, 2 * p), q1 = unit_value<FMT>(u, f, 2 * p + 1);
+        for (int m = 0; m < MB; ++m)
+          sums[m][8 * f + p] += q0 * int32_t(xq[m][2 * kp]) + q1 * int32_t(xq[m][2 * kp + 1]);
+      }
+  }
+#endif
 }
 
-using Kernel = void (*)(const float*, int64_t, const float*, int64_t, const uint8_t*, const float*, const float*,
-                        int64_t, int64_t, float*, int64_t, int64_t, const float*);
+// One tile (32 outputs) for all M rows, MB rows per pass over each group's weights.
+template <int FMT, int MB>
+inline void tile_rows(const int16_t* xq, const int32_t* __restrict xqsum, const float* __restrict xscale,
+                      const float* __restrict xsum, int64_t K,
+                      int64_t groups, int64_t group, const uint8_t* __restrict units, const float* __restrict d,
+                      const float* __restrict o, float (*acc)[kTile]) {
+  const int64_t pairs = group / 2;
+  const int16_t* rows[MB];
+  int32_t sums[MB][kTile];
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int m = 0; m < MB; ++m) rows[m] = xq + m * K + g * group;
+    group_sums<FMT, MB>(rows, units + g * pairs * unit_bytes<FMT>(), pairs, sums);
+    const float* dg = d + g * kTile;
+    const float* og = o + g * kTile;
+    for (int m = 0; m < MB; ++m) {
+      const float s = xscale[m * groups + g], xs = xsum[m * groups + g];
+      const int32_t centre = kCentre<FMT> * xqsum[m * groups + g];
+#pragma GCC ivdep
+      for (int j = 0; j < kTile; ++j)
+        acc[m][j] = __builtin_fmaf(og[j], xs, __builtin_fmaf(dg[j] * s, static_cast<float>(sums[m][j] - centre), acc[m][j]));
+    }
+  }
+}
 
 template <int FMT>
-constexpr Kernel kKernels[8] = {tile_kernel<1, FMT>, tile_kernel<2, FMT>, tile_kernel<3, FMT>, tile_kernel<4, FMT>,
-                                tile_kernel<5, FMT>, tile_kernel<6, FMT>, tile_kernel<7, FMT>, tile_kernel<8, FMT>};
+void tile_all_rows(const int16_t* xq, const int32_t* xqsum, const float* xscale, const float* xsum, int64_t M, int64_t K, int64_t groups,
+                   int64_t group, const uint8_t* units, const float* d, const float* o, float* y, int64_t ldy,
+                   int64_t ncols, const float* bias) {
+  float acc[kRowBlock][kTile];
+  for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+    const int64_t mb = std::min(kRowBlock, M - m0);
+    for (int64_t m = 0; m < mb; ++m)
+      for (int j = 0; j < kTile; ++j) acc[m][j] = 0.0f;
+    const int16_t* x = xq + m0 * K;
+    const int32_t* qs = xqsum + m0 * groups;
+    const float* s = xscale + m0 * groups;
+    const float* xs = xsum + m0 * groups;
+    switch (mb) {
+      case 1: tile_rows<FMT, 1>(x, qs, s, xs, K, groups, group, units, d, o, acc); break;
+      case 2: tile_rows<FMT, 2>(x, qs, s, xs, K, groups, group, units, d, o, acc); break;
+      case 3: tile_rows<FMT, 3>(x, qs, s, xs, K, groups, group, units, d, o, acc); break;
+      case 4: tile_rows<FMT, 4>(x, qs, s, xs, K, groups, group, units, d, o, acc); break;
+      case 5: tile_rows<FMT, 5>(x, qs, s, xs, K, groups, group, units, d, o, acc); break;
+      case 6: tile_rows<FMT, 6>(x, qs, s, xs, K, groups, group, units, d, o, acc); break;
+      case 7: tile_rows<FMT, 7>(x, qs, s, xs, K, groups, group, units, d, o, acc); break;
+      default: tile_rows<FMT, 8>(x, qs, s, xs, K, groups, group, units, d, o, acc); break;
+    }
+    for (int64_t m = 0; m < mb; ++m)
+      for (int64_t j = 0; j < ncols; ++j) y[(m0 + m) * ldy + j] = acc[m][j] + (bias ? bias[j] : 0.0f);
+  }
+}
 
 }  // namespace
 
 // q [N, K] quantised values (uint8 0..15 for Q4, int8 for Q8), scale/offset [N, K / G] fp32 for groups of G
-// inputs -> (packed values [tiles, K, 16 or 32] uint8, scales [tiles, K / G, 32], offsets [tiles, K / G, 32]).
+// inputs -> (units [tiles, K / 2, 32 or 64] uint8, scales [tiles, K / G, 32], offsets [tiles, K / G, 32]).
 std::vector<torch::Tensor> pack_quantized(const torch::Tensor& q, const torch::Tensor& scale, const torch::Tensor& offset,
                                           int64_t format) {
   TORCH_CHECK(format == kQ4 || format == kQ8, "pack_quantized: format must be 4 or 8");
   TORCH_CHECK(q.dim() == 2 && scale.dim() == 2 && scale.size(1) > 0 && q.size(1) % scale.size(1) == 0,
               "pack_quantized: q must be [N, K] and scale [N, K / G]");
   const int64_t n = q.size(0), k = q.size(1), groups = scale.size(1);
+  TORCH_CHECK(k % 2 == 0 && (k / groups) % 2 == 0, "pack_quantized: groups must have an even number of inputs");
   const int64_t tiles = (n + kTile - 1) / kTile, padded_n = tiles * kTile;
   TORCH_CHECK(scale.size(0) == n && offset.sizes() == scale.sizes(), "pack_quantized: scale and offset must be [N, K / G]");
   auto pad = [&](const torch::Tensor& t) {
@@ -191,39 +214,45 @@ std::vector<torch::Tensor> pack_quantized(const torch::Tensor& q, const torch::T
     return out;
   };
   auto s = pad(scale.to(torch::kFloat32)).view({tiles, kTile, groups}).transpose(1, 2).contiguous();
-  auto o = pad(offset.to(torch::kFloat32)).view({tiles, kTile, groups}).transpose(1, 2).contiguous();
-  torch::Tensor values;
+  auto centred = format == kQ4 ? offset.to(torch::kFloat32) + 8.0f * scale.to(torch::kFloat32)  // o' = o + 8d
+                               : offset.to(torch::kFloat32);
+  auto o = pad(centred).view({tiles, kTile, groups}).transpose(1, 2).contiguous();
+  // [tiles, K / 2, field f, p, e] = q[tile * 32 + 8f + p, 2 kp + e]
+  auto fields = [&](torch::ScalarType type) {
+    return pad(q.to(type)).view({tiles, 4, 8, k / 2, 2}).permute({0, 3, 1, 2, 4}).contiguous();
+  };
+  torch::Tensor units;
   if (format == kQ4) {
-    auto v = pad(q.to(torch::kUInt8)).view({tiles, kTile, k}).transpose(1, 2).contiguous();  // [tiles, K, 32]
-    auto lo = v.narrow(2, 0, kTile / 2), hi = v.narrow(2, kTile / 2, kTile / 2);
-    values = lo.bitwise_or(hi.bitwise_left_shift(4)).contiguous();
+    auto v = fields(torch::kUInt8).view({tiles, k / 2, 4, 16});  // lane = 2p + e
+    auto lo = v.select(2, 0).bitwise_or(v.select(2, 1).bitwise_left_shift(4));  // nibbles 0, 1 of each lane
+    auto hi = v.select(2, 2).bitwise_or(v.select(2, 3).bitwise_left_shift(4));  // nibbles 2, 3
+    units = torch::stack({lo, hi}, 3).reshape({tiles, k / 2, 32});               // little-endian 16-bit lanes
   } else {
-    values = pad(q.to(torch::kInt8)).view({tiles, kTile, k}).transpose(1, 2).contiguous().view(torch::kUInt8);
+    auto v = fields(torch::kInt8).view(torch::kUInt8).view({tiles, k / 2, 2, 2, 16});  // [.., half, byte, lane]
+    units = v.transpose(3, 4).contiguous().reshape({tiles, k / 2, 64});
   }
-  return {values, s, o};
+  return {units, s, o};
 }
 
 // x [M, K] float32 -> y [M, n_out]
-torch::Tensor quant_linear(const torch::Tensor& x_in, const torch::Tensor& values, const torch::Tensor& scales,
+torch::Tensor quant_linear(const torch::Tensor& x_in, const torch::Tensor& units, const torch::Tensor& scales,
                            const torch::Tensor& offsets, int64_t n_out, int64_t format,
                            const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat32, "quant_linear: 2-D float32 input");
   TORCH_CHECK(format == kQ4 || format == kQ8, "quant_linear: format must be 4 or 8");
   const auto x = x_in.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), tiles = values.size(0);
-  const int64_t bytes = format == kQ4 ? kTile / 2 : kTile;
-  TORCH_CHECK(values.dim() == 3 && values.size(1) == K && values.size(2) == bytes && values.is_contiguous(),
-              "quant_linear: input has ", K, " features, packed weight is ", values.sizes());
+  const int64_t M = x.size(0), K = x.size(1), tiles = units.size(0);
+  const int64_t bytes = format == kQ4 ? unit_bytes<kQ4>() : unit_bytes<kQ8>();
+  TORCH_CHECK(units.dim() == 3 && units.size(1) * 2 == K && units.size(2) == bytes && units.is_contiguous(),
+              "quant_linear: input has ", K, " features, packed weight is ", units.sizes());
   TORCH_CHECK(scales.dim() == 3 && scales.is_contiguous() && offsets.is_contiguous() && scales.size(0) == tiles &&
                   scales.size(2) == kTile && offsets.sizes() == scales.sizes() && K % scales.size(1) == 0,
               "quant_linear: bad scales");
   TORCH_CHECK(n_out <= tiles * kTile, "quant_linear: n_out too large");
+  const int64_t groups = scales.size(1), group = K / groups;
+  TORCH_CHECK(group % 2 == 0 && group <= kMaxGroup, "quant_linear: groups of ", group, " inputs are not supported");
   auto y = torch::empty({M, n_out}, x.options());
   const float* xp = x.data_ptr<float>();
-  const uint8_t* qp = values.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
-  const float* op = offsets.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
   torch::Tensor b;
   const float* bp = nullptr;
   if (bias.has_value()) {
@@ -231,33 +260,47 @@ torch::Tensor quant_linear(const torch::Tensor& x_in, const torch::Tensor& value
     TORCH_CHECK(b.numel() == n_out && b.scalar_type() == torch::kFloat32, "quant_linear: bad bias");
     bp = b.data_ptr<float>();
   }
-  const Kernel* kernels = format == kQ4 ? kKernels<kQ4> : kKernels<kQ8>;
-  const int64_t groups = scales.size(1), group = K / groups;
-  TORCH_CHECK(group % 2 == 0 && group <= kMaxGroup, "quant_linear: groups of ", group, " inputs are not supported");
-  // Per row and group, the sum of the inputs (sequential, so the same for any batch).
-  auto xsum_t = torch::empty({M, groups}, x.options());
-  float* xsum = xsum_t.data_ptr<float>();
+  // Per row and group: int16 activations, their scale, and the sum of the float inputs (sequential,
+  // so the same for any batch). A group holding inf or NaN gets a NaN scale, so it propagates.
+  auto xq_t = torch::empty({M, K}, x.options().dtype(torch::kInt16));
+  auto stats = torch::empty({2, M, groups}, x.options());
+  auto xqsum_t = torch::empty({M, groups}, x.options().dtype(torch::kInt32));
+  int16_t* xq = xq_t.data_ptr<int16_t>();
+  int32_t* xqsum = xqsum_t.data_ptr<int32_t>();
+  float* xscale = stats.data_ptr<float>();
+  float* xsum = xscale + M * groups;
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < groups; ++g) {
-      float acc = 0.0f;
-      for (int64_t kk = 0; kk < group; ++kk) acc += xp[m * K + g * group + kk];
-      xsum[m * groups + g] = acc;
+      const float* xg = xp + m * K + g * group;
+      float amax = 0.0f, total = 0.0f;
+      bool finite = true;
+      for (int64_t kk = 0; kk < group; ++kk) {
+        amax = std::max(amax, std::fabs(xg[kk]));
+        total += xg[kk];
+        finite = finite && std::isfinite(xg[kk]);
+      }
+      const float inv = amax > 0.0f && finite ? kInt16Max / amax : 0.0f;
+      int16_t* qg = xq + m * K + g * group;
+      int32_t qsum = 0;
+      for (int64_t kk = 0; kk < group; ++kk) {
+        qg[kk] = static_cast<int16_t>(std::nearbyint(xg[kk] * inv));
+        qsum += qg[kk];
+      }
+      xqsum[m * groups + g] = qsum;
+      xscale[m * groups + g] = finite ? amax / kInt16Max : std::numeric_limits<float>::quiet_NaN();
+      xsum[m * groups + g] = total;
     }
-  at::parallel_for(0, tiles, 8, [&](int64_t t0, int64_t t1) {
+  const uint8_t* up = units.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* op = offsets.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const auto run = format == kQ4 ? tile_all_rows<kQ4> : tile_all_rows<kQ8>;
+  at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t col = t * kTile;
-      const int64_t ncols = std::min(kTile, n_out - col);
-      for (int64_t m0 = 0; m0 < M; m0 += 8) {
-        const int64_t mb = std::min<int64_t>(8, M - m0);
-        kernels[mb - 1](xp + m0 * K, K, xsum + m0 * groups, groups, qp + t * K * bytes, sp + t * groups * kTile,
-                        op + t * groups * kTile, K, group, yp + m0 * n_out + col, n_out, ncols, bp ? bp + col : nullptr);
-      }
+      run(xq, xqsum, xscale, xsum, M, K, groups, group, up + t * (K / 2) * bytes, sp + t * groups * kTile,
+          op + t * groups * kTile, yp + col, n_out, std::min(kTile, n_out - col), bp ? bp + col : nullptr);
     }
   });
   return y;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack_quantized", &pack_quantized, "repack GGUF block-quantised rows into 32-column tiles");
-  m.def("quant_linear", &quant_linear, "y = x @ W^T (+ bias) for few rows, W block-quantised (Q4 or Q8)");
 }

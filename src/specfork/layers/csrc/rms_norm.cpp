@@ -4,7 +4,7 @@
 // which costs tens of microseconds per call at decode sizes; a decode step calls it 61 times.
 // Each row is reduced in a fixed order (16 lanes, then the lanes in order), so the result does not
 // depend on the other rows (batch-invariant).
-#include <torch/extension.h>
+#include "kernels.h"
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -45,8 +45,4 @@ torch::Tensor rms_norm(const torch::Tensor& x_in, const torch::Tensor& weight, d
     at::parallel_for(0, rows, 16, work);
   }
   return y;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension of float32 rows");
 }

@@ -6,7 +6,7 @@
 // [num_blocks, K, 32], so each thread streams contiguous memory once per call, whatever M is.
 // Each output element is accumulated over k in order with one FMA chain per row, so a row's
 // result never depends on the other rows in the batch (batch-invariant by construction).
-#include <torch/extension.h>
+#include "kernels.h"
 #include <ATen/Parallel.h>
 
 namespace {
@@ -80,9 +80,4 @@ torch::Tensor small_m_linear(const torch::Tensor& x_in, const torch::Tensor& pac
     }
   });
   return y;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack_weight", &pack_weight, "pack a [N, K] weight into [N/32, K, 32] blocks");
-  m.def("small_m_linear", &small_m_linear, "y = x @ W^T (+ bias) for few rows, from a packed weight");
 }

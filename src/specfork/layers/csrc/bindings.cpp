@@ -1,0 +1,12 @@
+// The Python module of the native CPU kernels (see kernels.h).
+#include "kernels.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack_weight", &pack_weight, "pack a [N, K] weight into [N/32, K, 32] blocks");
+  m.def("small_m_linear", &small_m_linear, "y = x @ W^T (+ bias) for few rows, from a packed weight");
+  m.def("pack_quantized", &pack_quantized, "repack GGUF block-quantised rows into 32-column tiles of input pairs");
+  m.def("quant_linear", &quant_linear, "y = x @ W^T (+ bias) for few rows, W block-quantised (Q4 or Q8)");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension of float32 rows");
+  m.def("paged_attention_decode", &paged_attention_decode, "causal paged attention for few queries per sequence");
+  m.def("decoder_layer_decode", &decoder_layer_decode, "one Llama decoder layer of a decode/verify step");
+}

@@ -1,0 +1,35 @@
+// The native CPU kernels, compiled together into one extension (bindings.cpp exposes them to Python;
+// decoder_layer.cpp chains them). Each is optional: without a compiler the PyTorch paths run instead.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <vector>
+
+// small_m_gemm.cpp: float32 weights packed in 32-column blocks.
+torch::Tensor pack_weight(const torch::Tensor& weight);
+torch::Tensor small_m_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_out,
+                             const c10::optional<torch::Tensor>& bias);
+
+// quant_gemm.cpp: GGUF block-quantised weights (Q4_0, Q4_1, Q8_0, int4 at load).
+std::vector<torch::Tensor> pack_quantized(const torch::Tensor& q, const torch::Tensor& scale,
+                                          const torch::Tensor& offset, int64_t format);
+torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& units, const torch::Tensor& scales,
+                           const torch::Tensor& offsets, int64_t n_out, int64_t format,
+                           const c10::optional<torch::Tensor>& bias);
+
+// rms_norm.cpp
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+
+// paged_attention.cpp: causal attention of few queries per sequence over the paged KV cache.
+torch::Tensor paged_attention_decode(const torch::Tensor& q, const torch::Tensor& cache,
+                                     const torch::Tensor& block_tables, const torch::Tensor& seq_of,
+                                     const torch::Tensor& pos_of, double scale);
+
+// decoder_layer.cpp: one Llama decoder layer of a decode or verification step, in one call.
+torch::Tensor decoder_layer_decode(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
+                                   const std::vector<int64_t>& formats, const torch::Tensor& cos,
+                                   const torch::Tensor& sin_signed, const torch::Tensor& cache,
+                                   const torch::Tensor& block_tables, const torch::Tensor& seq_of,
+                                   const torch::Tensor& pos_of, const torch::Tensor& slot_mapping,
+                                   int64_t num_heads, int64_t num_kv_heads, double eps, double scale);

@@ -1,0 +1,51 @@
+"""One native call per decoder layer for decode and verification steps.
+
+Driven from Python, a decode step of a small model spends about as long in per-op overhead (some
+25 tensor ops and 8 module calls per layer) as in the work itself. ``csrc/decoder_layer.cpp`` runs
+a whole Llama decoder layer (norms, the four quantised projections, rotary, KV-cache write, paged
+attention, SiLU gating, residuals) in one call, with the same kernels and element-wise arithmetic
+as the module path, so its output is bit-identical to it. It serves steps that use the native
+paged-attention kernel (``AttentionMetadata.native_decode``) on layers whose projections all run
+the native quantised kernel; anything else takes the module path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specfork.layers.attention import AttentionMetadata
+from specfork.layers.cpu_kernels import kernels as native_kernels
+from specfork.layers.norm import RMSNorm
+from specfork.layers.quantized import QuantizedLinear
+from specfork.layers.rotary import RopeTables
+
+
+class FusedDecodeLayer:
+    def __init__(self, kernels, weights: list[torch.Tensor], formats: list[int], num_heads: int,
+                 num_kv_heads: int, eps: float, scale: float) -> None:
+        self._kernels = kernels
+        self._weights, self._formats = weights, formats
+        self._heads = (num_heads, num_kv_heads)
+        self._eps, self._scale = eps, scale
+
+    def __call__(self, x: torch.Tensor, rope: RopeTables, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self._kernels.decoder_layer_decode(
+            x.contiguous(), self._weights, self._formats, rope.cos, rope.sin_signed, cache, meta.block_tables,
+            meta.seq_index, meta.positions, meta.slot_mapping, *self._heads, self._eps, self._scale,
+        )
+
+
+def fuse_decoder_layer(input_norm: RMSNorm, projections: tuple, post_norm: RMSNorm, num_heads: int,
+                       num_kv_heads: int, scale: float) -> FusedDecodeLayer | None:
+    """``projections``: qkv, o, gate_up, down. None where the fused layer cannot run this layer."""
+    kernels = native_kernels()
+    if kernels is None or not all(isinstance(p, QuantizedLinear) for p in projections):
+        return None
+    if input_norm.eps != post_norm.eps or any(n.weight.dtype != torch.float32 for n in (input_norm, post_norm)):
+        return None
+    weights, formats = [input_norm.weight, post_norm.weight], []
+    for p in projections:
+        bias = p.bias if p.bias is not None else torch.empty(0)
+        weights += [p.values, p.scales, p.offsets, bias]
+        formats += [p.out_features, p.bits]
+    return FusedDecodeLayer(kernels, weights, formats, num_heads, num_kv_heads, input_norm.eps, scale)
