@@ -188,7 +188,7 @@ def test_fused_decode_layer_is_bit_identical_to_the_module_path(quantized_ggufs,
     prompts = [[1, 17, 33, 5, 99, 201, 4, 8, 3, 3, 7], [2, 9, 40]]
     seqs = [Sequence(-1 - i, p + [5, 6, 7], SamplingParams(temperature=0.0), torch.Generator())
             for i, p in enumerate(prompts)]
-    for seq, prompt in zip(seqs, prompts):
+    for seq, prompt in zip(seqs, prompts, strict=True):
         engine.block_manager.grow(seq, len(prompt) + 3)
         engine.runner.forward([seq], [0], [prompt], [len(prompt) - 1], decode=False)
     calls = []
@@ -203,12 +203,12 @@ def test_fused_decode_layer_is_bit_identical_to_the_module_path(quantized_ggufs,
             try:
                 modules = engine.runner.forward(*args)
             finally:
-                for layer, f in zip(model.layers, saved):
+                for layer, f in zip(model.layers, saved, strict=True):
                     layer.fused_decode = f
             assert calls, "the fused layer did not run"
             calls.clear()
             assert torch.equal(fused, modules)
-            assert all(torch.equal(a, b) for a, b in zip(fused_cache, engine.runner.kv_caches))
+            assert all(torch.equal(a, b) for a, b in zip(fused_cache, engine.runner.kv_caches, strict=True))
     finally:
         for seq in seqs:
             engine.block_manager.free(seq)
