@@ -40,7 +40,7 @@ namespace {
 
 constexpr int64_t kTile = 32;        // output columns per tile
 constexpr int64_t kMaxGroup = 128;   // largest quantisation group (inputs sharing one scale)
-constexpr int64_t kRowBlock = 8;     // rows sharing one pass over a group's weights
+constexpr int64_t kRowBlock = 4;     // rows sharing one pass over a group's weights (registers: 4 x 2 accumulators)
 constexpr float kInt16Max = 32767.0f;
 
 enum Format : int64_t { kQ4 = 4, kQ8 = 8 };
@@ -106,26 +106,38 @@ inline void group_sums(const int16_t* const* xq, const uint8_t* __restrict units
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums[0] + 16), a2);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums[0] + 24), a3);
   } else {
-    // Several rows: one field at a time, so the accumulators of all MB rows stay in registers.
-    for (int f = 0; f < 4; ++f) {
-      __m256i acc[MB];
-      for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_si256();
+    // Several rows (up to kRowBlock): two passes of two fields each, so the accumulators of every
+    // row stay in registers and each unpacked field serves all the rows.
+    for (int half = 0; half < 2; ++half) {
+      __m256i acc0[MB], acc1[MB];
+      for (int m = 0; m < MB; ++m) acc0[m] = acc1[m] = _mm256_setzero_si256();
       for (int64_t kp = 0; kp < pairs; ++kp) {
         const uint8_t* u = units + kp * unit_bytes<FMT>();
-        __m256i w;
+        __m256i w0, w1;
         if constexpr (FMT == kQ4) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u));
-          w = f == 3 ? _mm256_srli_epi16(v, 12) : _mm256_and_si256(_mm256_srli_epi16(v, 4 * f), low4);
+          if (half == 0) {
+            w0 = _mm256_and_si256(v, low4);
+            w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          } else {
+            w0 = _mm256_and_si256(_mm256_srli_epi16(v, 8), low4);
+            w1 = _mm256_srli_epi16(v, 12);
+          }
         } else {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + (f / 2) * 32));
-          w = f % 2 ? _mm256_srai_epi16(v, 8) : _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8);
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + half * 32));
+          w0 = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8);
+          w1 = _mm256_srai_epi16(v, 8);
         }
         for (int m = 0; m < MB; ++m) {
           const __m256i xp = _mm256_set1_epi32(input_pair(xq[m], kp));
-          acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(w, xp));
+          acc0[m] = _mm256_add_epi32(acc0[m], _mm256_madd_epi16(w0, xp));
+          acc1[m] = _mm256_add_epi32(acc1[m], _mm256_madd_epi16(w1, xp));
         }
       }
-      for (int m = 0; m < MB; ++m) _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums[m] + 8 * f), acc[m]);
+      for (int m = 0; m < MB; ++m) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums[m] + 16 * half), acc0[m]);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums[m] + 16 * half + 8), acc1[m]);
+      }
     }
   }
 #else
@@ -172,8 +184,9 @@ void tile_all_rows(const int16_t* xq, const int32_t* xqsum, const float* xscale,
                    int64_t group, const uint8_t* units, const float* d, const float* o, float* y, int64_t ldy,
                    int64_t ncols, const float* bias) {
   float acc[kRowBlock][kTile];
-  for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
-    const int64_t mb = std::min(kRowBlock, M - m0);
+  const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;  // as even as possible: 5 rows = 3 + 2, not 4 + 1
+  for (int64_t b = 0, m0 = 0; b < blocks; ++b) {
+    const int64_t mb = (M - m0) / (blocks - b) + ((M - m0) % (blocks - b) ? 1 : 0);
     for (int64_t m = 0; m < mb; ++m)
       for (int j = 0; j < kTile; ++j) acc[m][j] = 0.0f;
     const int16_t* x = xq + m0 * K;
@@ -184,14 +197,11 @@ void tile_all_rows(const int16_t* xq, const int32_t* xqsum, const float* xscale,
       case 1: tile_rows<FMT, 1>(x, qs, s, xs, K, groups, group, units, d, o, acc); break;
       case 2: tile_rows<FMT, 2>(x, qs, s, xs, K, groups, group, units, d, o, acc); break;
       case 3: tile_rows<FMT, 3>(x, qs, s, xs, K, groups, group, units, d, o, acc); break;
-      case 4: tile_rows<FMT, 4>(x, qs, s, xs, K, groups, group, units, d, o, acc); break;
-      case 5: tile_rows<FMT, 5>(x, qs, s, xs, K, groups, group, units, d, o, acc); break;
-      case 6: tile_rows<FMT, 6>(x, qs, s, xs, K, groups, group, units, d, o, acc); break;
-      case 7: tile_rows<FMT, 7>(x, qs, s, xs, K, groups, group, units, d, o, acc); break;
-      default: tile_rows<FMT, 8>(x, qs, s, xs, K, groups, group, units, d, o, acc); break;
+      default: tile_rows<FMT, 4>(x, qs, s, xs, K, groups, group, units, d, o, acc); break;
     }
     for (int64_t m = 0; m < mb; ++m)
       for (int64_t j = 0; j < ncols; ++j) y[(m0 + m) * ldy + j] = acc[m][j] + (bias ? bias[j] : 0.0f);
+    m0 += mb;
   }
 }
 
