@@ -1,10 +1,11 @@
 """Where one decode step goes, for fp32 and native quantised weights (issue 9).
 
 For each --weights setting: the model forward of 1..9 new tokens after --context cached ones
-(decode and verification), split into linear layers, attention and everything else (norms,
-rotary, embedding, Python), measured by timing those modules inside real forwards; one full
-engine step (scheduling, sampling, stop checks included); bytes of weights read per token; and
-the same for the shipped draft.
+(decode and verification); its split into linear layers, attention and everything else (norms,
+rotary, embedding, Python), measured by timing those modules inside real forwards on the Python
+module path (the fused native decoder layer, when it runs, has no seams to time); one full engine
+step (scheduling, sampling, stop checks included); bytes of weights read per token and the share
+of the machine's streaming bandwidth; and the same for the shipped draft.
 
     python benchmarks/bench_step_profile.py --threads 2
 """
@@ -66,7 +67,23 @@ def weight_bytes(model) -> int:
     return total
 
 
-def profile(model_name: str, weights: str, threads: int, context: int, repeat: int, max_rows: int) -> None:
+def stream_read_gbps(threads: int) -> float:
+    """This machine's streaming read bandwidth with ``threads`` threads (summing 400 MB, best of 5)."""
+    torch.set_num_threads(threads)
+    data = torch.ones(100_000_000)
+    data.sum()
+    best = min(_timed(data.sum) for _ in range(5))
+    return data.numel() * data.element_size() / best / 1e9
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def profile(model_name: str, weights: str, threads: int, context: int, repeat: int, max_rows: int,
+            bandwidth: float) -> None:
     llm = LLM(model_name, threads=threads, weights=weights, kv_cache_tokens=context + 4096)
     engine = llm.engine
     model = engine.loaded.model
@@ -75,23 +92,36 @@ def profile(model_name: str, weights: str, threads: int, context: int, repeat: i
     seq = Sequence(-1, prompt, SamplingParams(temperature=0.0), torch.Generator())
     engine.block_manager.grow(seq, len(prompt))
     print(f"{model_name} --weights {weights}: {weight_bytes(model) / 1e6:.1f} MB of linear weights read per forward")
-    print("  rows  forward ms  linear ms  attention ms  other ms")
+    fused = [layer.fused_decode for layer in model.layers]
+    has_fused = any(f is not None for f in fused)
+    print("  rows  forward ms" + ("  (module path: forward ms" if has_fused else "") + "  linear ms  attention ms  other ms"
+          + (")" if has_fused else ""))
+
+    def step(rows: int) -> None:
+        engine.runner.forward([seq], [context], [prompt[context : context + rows]], list(range(rows)))
+
     try:
         engine.runner.forward([seq], [0], [prompt[:context]], [context - 1], decode=False)
         for rows in range(1, max_rows + 1):
+            plain = statistics.median(_timed(lambda rows=rows: step(rows)) for _ in range(repeat + 3)) * 1e3
+            # The split needs the Python module path: the fused layer (one native call per layer)
+            # has no seams to time, so it is switched off for this part.
+            for layer in model.layers:
+                layer.fused_decode = None
             totals, parts = [], {"linear": [], "attention": []}
             for i in range(repeat + 3):
                 clock = Clock()
                 with clock.installed(model):
-                    start = time.perf_counter()
-                    engine.runner.forward([seq], [context], [prompt[context : context + rows]], list(range(rows)))
-                    elapsed = time.perf_counter() - start
+                    elapsed = _timed(lambda rows=rows: step(rows))
                 if i >= 3:
                     totals.append(elapsed)
                     for k in parts:
                         parts[k].append(clock.seconds[k])
+            for layer, f in zip(model.layers, fused, strict=True):
+                layer.fused_decode = f
             f, lin, att = (statistics.median(x) * 1e3 for x in (totals, parts["linear"], parts["attention"]))
-            print(f"  {rows:4d}  {f:10.2f}  {lin:9.2f}  {att:12.2f}  {f - lin - att:8.2f}")
+            split = f"{lin:9.2f}  {att:12.2f}  {f - lin - att:8.2f}"
+            print(f"  {rows:4d}  {plain:10.2f}  " + (f"{f:24.2f}  " if has_fused else "") + split)
     finally:
         engine.block_manager.free(seq)
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
@@ -104,6 +134,9 @@ def profile(model_name: str, weights: str, threads: int, context: int, repeat: i
         steps.append(time.perf_counter() - t)
     decode = statistics.median(steps[1:]) * 1e3
     print(f"  one engine decode step (forward + sampling + scheduling): {decode:.2f} ms = {1000 / decode:.1f} tok/s")
+    rate = weight_bytes(model) / (decode / 1e3) / 1e9
+    print(f"  weights streamed at that rate: {rate:.1f} GB/s = {100 * rate / bandwidth:.0f}% of the "
+          f"{bandwidth:.1f} GB/s this machine reads with {threads} threads")
 
 
 def main() -> None:
@@ -115,15 +148,16 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--max-rows", type=int, default=9)
     args = parser.parse_args()
+    bandwidth = stream_read_gbps(args.threads)
     torch.set_num_threads(args.threads)
     for weights in ("fp32", "native"):
-        profile(args.model, weights, args.threads, args.context, args.repeat, args.max_rows)
+        profile(args.model, weights, args.threads, args.context, args.repeat, args.max_rows, bandwidth)
     if args.draft:
         from specfork.loading.resolve import resolve_checkpoint, resolve_draft
 
         draft = str(resolve_draft(args.draft, resolve_checkpoint(args.model)))
         for weights in ("fp32", "native"):
-            profile(draft, weights, args.threads, args.context, args.repeat, 1)
+            profile(draft, weights, args.threads, args.context, args.repeat, 1, bandwidth)
 
 
 if __name__ == "__main__":

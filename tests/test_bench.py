@@ -62,6 +62,17 @@ def test_bench_writes_json_markdown_and_plots(tiny, tmp_path, monkeypatch):
     assert "vs AR" in table and "1.00x" in table and "vs transformers AR" in table
 
 
+def test_batched_runs_include_transformers_batched_ar(tiny):
+    report = run_benchmark(_settings(tiny, modes=("ar",), num_prompts=4, batch_size=2, peers=("transformers",)),
+                           [{}], progress=False)
+    rows = {r["name"]: r for r in report["results"]}
+    assert set(rows) == {"specfork ar", "transformers AR"}
+    peer = rows["transformers AR"]
+    assert peer["settings"]["batch_size"] == 2 and peer["tokens"] == 4 * 10
+    assert peer["match_ar"] >= 0.5  # left-padded fp32 batches; near-ties may differ
+    assert any("batched runs are AR only" in n for n in report["notes"])
+
+
 def test_sweep_grid_and_errors():
     assert parse_sweep("k=2,3;fan_out=1,3") == [
         {"k": 2, "fan_out": 1}, {"k": 2, "fan_out": 3}, {"k": 3, "fan_out": 1}, {"k": 3, "fan_out": 3}]

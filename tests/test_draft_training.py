@@ -135,8 +135,9 @@ def test_held_out_examples_are_a_fixed_share():
 
 
 def prefill_logits(model_path, prompt: list[int]) -> torch.Tensor:
-    """specfork's logits for every prompt position (the loader under test, no transformers)."""
-    return runner_prefill_logits(LLM(str(model_path), deterministic=True), prompt)
+    """specfork's logits for every prompt position (the loader under test, no transformers; dense fp32
+    execution, so the only difference is the storage type)."""
+    return runner_prefill_logits(LLM(str(model_path), deterministic=True, weights="fp32"), prompt)
 
 
 def rounded_checkpoint(source, directory, out_type: str):

@@ -235,7 +235,16 @@ def run_transformers(kind: str, dataset: str, prompts: list[list[int]], s: Bench
         extra = {} if n == s.output_len else {"max_new_tokens": n, "min_new_tokens": n}
         return model.generate(torch.tensor([ids]), **{**kwargs, **extra})[0, len(ids) :].tolist()
 
+    def generate_group(group: list[list[int]], n: int) -> list[list[int]]:
+        width = max(len(ids) for ids in group)  # left padding, as transformers expects for generation
+        ids = torch.tensor([[kwargs["pad_token_id"]] * (width - len(g)) + g for g in group])
+        mask = torch.tensor([[0] * (width - len(g)) + [1] * len(g) for g in group])
+        extra = {"max_new_tokens": n, "min_new_tokens": n}
+        return model.generate(ids, attention_mask=mask, **{**kwargs, **extra})[:, width:].tolist()
+
     with torch.inference_mode():
+        if s.batch_size > 1:
+            return _time_peer_batched(f"transformers {kind}", dataset, prompts, s, generate_group)
         return _time_peer(f"transformers {kind}", kind, dataset, prompts, s, generate)
 
 
@@ -265,6 +274,85 @@ def run_llama_cpp(kind: str, dataset: str, prompts: list[list[int]], s: BenchSet
         return out
 
     return _time_peer(f"llama.cpp {kind}", kind, dataset, prompts, s, generate)
+
+
+def run_llama_cpp_batched(dataset: str, prompts: list[list[int]], s: BenchSettings) -> tuple[RunResult, list]:
+    """llama.cpp's own parallel decoding: its low-level batch API with one sequence id per request (as
+    its server's slots and ``llama-batched`` do), ``batch_size`` requests at a time, greedy, EOS
+    ignored, same thread count. llama-cpp-python's ``Llama`` class decodes one sequence only."""
+    import llama_cpp as lc
+    import numpy as np
+
+    from specfork.loading.resolve import resolve_checkpoint
+
+    path = str(resolve_checkpoint(s.model).path)
+    threads = s.threads or torch.get_num_threads()
+    per_seq = max(len(p) for p in prompts) + s.output_len + 16
+    lc.llama_backend_init()
+    model = lc.llama_model_load_from_file(path.encode(), lc.llama_model_default_params())
+    params = lc.llama_context_default_params()
+    params.n_ctx = s.batch_size * per_seq
+    params.n_batch = params.n_ubatch = max(per_seq, s.batch_size)
+    params.n_seq_max = s.batch_size
+    params.n_threads = params.n_threads_batch = threads
+    ctx = lc.llama_init_from_model(model, params)
+    n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
+    batch = lc.llama_batch_init(max(per_seq, s.batch_size), 0, s.batch_size)
+
+    def decode(entries: list[tuple[int, int, int, bool]]) -> None:  # (token, position, sequence, wants logits)
+        batch.n_tokens = len(entries)
+        for i, (token, pos, seq, logits) in enumerate(entries):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos, 1, logits
+            batch.seq_id[i][0] = seq
+        if lc.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    def argmax(row: int) -> int:
+        return int(np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, row), shape=(n_vocab,)).argmax())
+
+    def generate_group(group: list[list[int]], n: int) -> list[list[int]]:
+        lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
+        outputs = []
+        for seq, ids in enumerate(group):  # prefill each request into its own sequence
+            decode([(t, p, seq, p == len(ids) - 1) for p, t in enumerate(ids)])
+            outputs.append([argmax(len(ids) - 1)])
+        while len(outputs[0]) < n:  # one batched decode per step, every sequence advancing
+            decode([(out[-1], len(ids) + len(out) - 1, seq, True)
+                    for seq, (ids, out) in enumerate(zip(group, outputs, strict=True))])
+            for seq, out in enumerate(outputs):
+                out.append(argmax(seq))
+        return outputs
+
+    try:
+        return _time_peer_batched("llama.cpp AR", dataset, prompts, s, generate_group)
+    finally:
+        lc.llama_batch_free(batch)
+        lc.llama_free(ctx)
+        lc.llama_model_free(model)
+
+
+def _time_peer_batched(name: str, dataset: str, prompts: list[list[int]], s: BenchSettings,
+                       generate_group) -> tuple[RunResult, list]:
+    """Warm up, then time ``generate_group(prompts[i : i + batch_size], output_len)`` over the prompts
+    ``repeat`` times (as specfork's batched runs are timed)."""
+    for _ in range(s.warmup):
+        generate_group(prompts[: s.batch_size], 8)
+    speeds, outputs, latencies = [], [], []
+    for _ in range(s.repeat):
+        outputs, latencies = [], []
+        start = time.perf_counter()
+        for i in range(0, len(prompts), s.batch_size):
+            t0 = time.perf_counter()
+            group = generate_group(prompts[i : i + s.batch_size], s.output_len)
+            outputs.extend(group)
+            latencies.extend([time.perf_counter() - t0] * len(group))
+        speeds.append(sum(len(o) for o in outputs) / (time.perf_counter() - start))
+    result = RunResult(
+        name=name, mode="AR", dataset=dataset, settings={"output_len": s.output_len, "batch_size": s.batch_size},
+        tok_per_s=statistics.median(speeds), tok_per_s_min=min(speeds), tok_per_s_max=max(speeds),
+        tokens=sum(len(o) for o in outputs), latency_s=_percentiles(latencies),
+    )
+    return result, outputs
 
 
 def _time_peer(name: str, kind: str, dataset: str, prompts: list[list[int]], s: BenchSettings, generate) -> tuple[RunResult, list]:
@@ -347,13 +435,14 @@ def run_benchmark(settings: BenchSettings, sweep: list[dict], progress: bool = T
             peers_done.add(key)
             if peer == "llama.cpp":
                 reason = llama_cpp_missing(point)
-                if reason is None and point.batch_size != 1:
-                    reason = "its peer runs are batch 1 only"
                 if reason is not None:
                     _note(notes, f"skipping llama.cpp: {reason}")
                     continue
-                for kind in ("AR", "prompt-lookup"):
-                    result, tokens = run_llama_cpp(kind, dataset, prompts, point)
+                for kind in ("AR", "prompt-lookup") if point.batch_size == 1 else ("AR",):
+                    if point.batch_size == 1:
+                        result, tokens = run_llama_cpp(kind, dataset, prompts, point)
+                    else:
+                        result, tokens = run_llama_cpp_batched(dataset, prompts, point)
                     if greedy:
                         result.match_ar = _match_rate(tokens, reference)
                     result.point = index
@@ -361,9 +450,8 @@ def run_benchmark(settings: BenchSettings, sweep: list[dict], progress: bool = T
                 _note(notes, "llama.cpp: llama-cpp-python has no draft-model speculation API; AR and prompt lookup only")
                 continue
             if point.batch_size != 1:
-                _note(notes, "skipping transformers: its peers run at batch 1 only")
-                continue
-            for kind in ("AR", "prompt-lookup", "assisted"):
+                _note(notes, "transformers: batched runs are AR only (prompt lookup and assisted generation take one sequence)")
+            for kind in ("AR", "prompt-lookup", "assisted") if point.batch_size == 1 else ("AR",):
                 result, tokens = run_transformers(kind, dataset, prompts, point)
                 if greedy:
                     result.match_ar = _match_rate(tokens, reference)
