@@ -73,6 +73,17 @@ def test_batched_runs_include_transformers_batched_ar(tiny):
     assert any("batched runs are AR only" in n for n in report["notes"])
 
 
+def test_peer_ratios_compare_within_each_sweep_point():
+    def row(name, mode, point, tok_per_s):
+        return {"name": name, "mode": mode, "dataset": "humaneval", "point": point, "settings": {},
+                "tok_per_s": tok_per_s, "tok_per_s_min": tok_per_s, "tok_per_s_max": tok_per_s}
+
+    report = {"results": [row("specfork ar", "ar", 0, 160.0), row("llama.cpp AR", "AR", 0, 100.0),
+                          row("specfork ar", "ar", 1, 170.0), row("llama.cpp AR", "AR", 1, 85.0)]}
+    lines = format_table(report).splitlines()[2:]
+    assert [line.split()[-1] for line in lines] == ["1.60x", "1.00x", "2.00x", "1.00x"]
+
+
 def test_sweep_grid_and_errors():
     assert parse_sweep("k=2,3;fan_out=1,3") == [
         {"k": 2, "fan_out": 1}, {"k": 2, "fan_out": 3}, {"k": 3, "fan_out": 1}, {"k": 3, "fan_out": 3}]

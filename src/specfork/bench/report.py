@@ -56,7 +56,17 @@ def columns(report: dict) -> list[str]:
 
 def table_rows(report: dict) -> list[list[str]]:
     rows = with_means(report)
-    peers = {(r["name"], r["dataset"]): r["tok_per_s"] for r in rows if r["name"] in peer_baselines(report)}
+    # Peer columns compare with the peer's AR of the same dataset and sweep point (batch size, ...);
+    # a point without that peer falls back to the peer's first run on the dataset.
+    peers: dict[tuple, float] = {}
+    for r in rows:
+        if r["name"] in peer_baselines(report):
+            peers[(r["name"], r["dataset"], r.get("point", 0))] = r["tok_per_s"]
+            peers.setdefault((r["name"], r["dataset"], None), r["tok_per_s"])
+
+    def peer_base(name: str, r: dict) -> float | None:
+        return peers.get((name, r["dataset"], r.get("point", 0)), peers.get((name, r["dataset"], None)))
+
     # "vs AR" compares with specfork AR of the same sweep point and dataset (peers: of their point).
     ar = {(r["dataset"], r.get("point", 0)): r["tok_per_s"] for r in rows if r["mode"] == "ar" and r["name"] == "specfork ar"}
     out = []
@@ -75,7 +85,7 @@ def table_rows(report: dict) -> list[list[str]]:
             f"{r['match_ar']:.0%}" if r.get("match_ar") is not None else "-",
             _fmt(r.get("latency_s", {}).get("p50")),
             _fmt(r.get("latency_s", {}).get("p99")),
-            *[f"{r['tok_per_s'] / peers[(name, r['dataset'])]:.2f}x" if (name, r["dataset"]) in peers else "-"
+            *[f"{r['tok_per_s'] / peer_base(name, r):.2f}x" if peer_base(name, r) else "-"
               for name in peer_baselines(report)],
         ])
     return out

@@ -288,6 +288,12 @@ def run_llama_cpp_batched(dataset: str, prompts: list[list[int]], s: BenchSettin
     path = str(resolve_checkpoint(s.model).path)
     threads = s.threads or torch.get_num_threads()
     per_seq = max(len(p) for p in prompts) + s.output_len + 16
+    try:  # the low-level API logs every graph it builds; keep errors only, as Llama(verbose=False) does
+        from llama_cpp._logger import set_verbose
+
+        set_verbose(False)
+    except ImportError:
+        pass
     lc.llama_backend_init()
     model = lc.llama_model_load_from_file(path.encode(), lc.llama_model_default_params())
     params = lc.llama_context_default_params()
