@@ -243,9 +243,8 @@ def run_transformers(kind: str, dataset: str, prompts: list[list[int]], s: Bench
         return model.generate(ids, attention_mask=mask, **{**kwargs, **extra})[:, width:].tolist()
 
     with torch.inference_mode():
-        if s.batch_size > 1:
-            return _time_peer_batched(f"transformers {kind}", dataset, prompts, s, generate_group)
-        return _time_peer(f"transformers {kind}", kind, dataset, prompts, s, generate)
+        group_generate = generate_group if s.batch_size > 1 else _one_at_a_time(generate)
+        return _time_peer(f"transformers {kind}", kind, dataset, prompts, s, group_generate)
 
 
 def run_llama_cpp(kind: str, dataset: str, prompts: list[list[int]], s: BenchSettings) -> tuple[RunResult, list]:
@@ -273,13 +272,14 @@ def run_llama_cpp(kind: str, dataset: str, prompts: list[list[int]], s: BenchSet
                 break
         return out
 
-    return _time_peer(f"llama.cpp {kind}", kind, dataset, prompts, s, generate)
+    return _time_peer(f"llama.cpp {kind}", kind, dataset, prompts, s, _one_at_a_time(generate))
 
 
-def run_llama_cpp_batched(dataset: str, prompts: list[list[int]], s: BenchSettings) -> tuple[RunResult, list]:
-    """llama.cpp's own parallel decoding: its low-level batch API with one sequence id per request (as
-    its server's slots and ``llama-batched`` do), ``batch_size`` requests at a time, greedy, EOS
-    ignored, same thread count. llama-cpp-python's ``Llama`` class decodes one sequence only."""
+def run_llama_cpp_batched(kind: str, dataset: str, prompts: list[list[int]], s: BenchSettings) -> tuple[RunResult, list]:
+    """llama.cpp AR (``kind``) with its own parallel decoding: the low-level batch API with one
+    sequence id per request (as its server's slots and ``llama-batched`` do), ``batch_size``
+    requests at a time, greedy, EOS ignored, same thread count. llama-cpp-python's ``Llama``
+    class decodes one sequence only."""
     import llama_cpp as lc
     import numpy as np
 
@@ -330,17 +330,17 @@ def run_llama_cpp_batched(dataset: str, prompts: list[list[int]], s: BenchSettin
         return outputs
 
     try:
-        return _time_peer_batched("llama.cpp AR", dataset, prompts, s, generate_group)
+        return _time_peer(f"llama.cpp {kind}", kind, dataset, prompts, s, generate_group)
     finally:
         lc.llama_batch_free(batch)
         lc.llama_free(ctx)
         lc.llama_model_free(model)
 
 
-def _time_peer_batched(name: str, dataset: str, prompts: list[list[int]], s: BenchSettings,
-                       generate_group) -> tuple[RunResult, list]:
+def _time_peer(name: str, kind: str, dataset: str, prompts: list[list[int]], s: BenchSettings,
+               generate_group) -> tuple[RunResult, list]:
     """Warm up, then time ``generate_group(prompts[i : i + batch_size], output_len)`` over the prompts
-    ``repeat`` times (as specfork's batched runs are timed)."""
+    ``repeat`` times (as specfork's runs are timed); a request's latency is its group's."""
     for _ in range(s.warmup):
         generate_group(prompts[: s.batch_size], 8)
     speeds, outputs, latencies = [], [], []
@@ -353,33 +353,20 @@ def _time_peer_batched(name: str, dataset: str, prompts: list[list[int]], s: Ben
             outputs.extend(group)
             latencies.extend([time.perf_counter() - t0] * len(group))
         speeds.append(sum(len(o) for o in outputs) / (time.perf_counter() - start))
+    settings = {"output_len": s.output_len, **({"batch_size": s.batch_size} if s.batch_size > 1 else {})}
     result = RunResult(
-        name=name, mode="AR", dataset=dataset, settings={"output_len": s.output_len, "batch_size": s.batch_size},
+        name=name, mode=kind, dataset=dataset, settings=settings,
         tok_per_s=statistics.median(speeds), tok_per_s_min=min(speeds), tok_per_s_max=max(speeds),
         tokens=sum(len(o) for o in outputs), latency_s=_percentiles(latencies),
     )
     return result, outputs
 
 
-def _time_peer(name: str, kind: str, dataset: str, prompts: list[list[int]], s: BenchSettings, generate) -> tuple[RunResult, list]:
-    """Warm up, then time ``generate(ids, output_len)`` over the prompts ``repeat`` times."""
-    for _ in range(s.warmup):
-        generate(prompts[0], 8)
-    speeds, outputs, latencies = [], [], []
-    for _ in range(s.repeat):
-        outputs, latencies = [], []
-        start = time.perf_counter()
-        for ids in prompts:
-            t0 = time.perf_counter()
-            outputs.append(generate(ids, s.output_len))
-            latencies.append(time.perf_counter() - t0)
-        speeds.append(sum(len(o) for o in outputs) / (time.perf_counter() - start))
-    result = RunResult(
-        name=name, mode=kind, dataset=dataset, settings={"output_len": s.output_len},
-        tok_per_s=statistics.median(speeds), tok_per_s_min=min(speeds), tok_per_s_max=max(speeds),
-        tokens=sum(len(o) for o in outputs), latency_s=_percentiles(latencies),
-    )
-    return result, outputs
+def _one_at_a_time(generate):
+    """A peer's single-sequence ``generate(ids, n)`` as a ``generate_group`` for ``_time_peer``."""
+    return lambda group, n: [generate(ids, n) for ids in group]
+
+
 
 
 def llama_cpp_missing(settings: BenchSettings) -> str | None:
@@ -445,10 +432,8 @@ def run_benchmark(settings: BenchSettings, sweep: list[dict], progress: bool = T
                     _note(notes, f"skipping llama.cpp: {reason}")
                     continue
                 for kind in ("AR", "prompt-lookup") if point.batch_size == 1 else ("AR",):
-                    if point.batch_size == 1:
-                        result, tokens = run_llama_cpp(kind, dataset, prompts, point)
-                    else:
-                        result, tokens = run_llama_cpp_batched(dataset, prompts, point)
+                    run = run_llama_cpp if point.batch_size == 1 else run_llama_cpp_batched
+                    result, tokens = run(kind, dataset, prompts, point)
                     if greedy:
                         result.match_ar = _match_rate(tokens, reference)
                     result.point = index
