@@ -1,93 +1,16 @@
-"""Checkpoint loading: HF directories and GGUF files → a model, its config and its tokenizer."""
+"""Checkpoint loading: HF directories and GGUF files → a model, its config and its tokenizer.
 
-from __future__ import annotations
+``load_model`` and ``LoadedModel`` live in :mod:`specfork.loading.loader`; they are imported on
+first use so that light users of this package (the CLI's option tables) do not import torch."""
 
-import logging
-from dataclasses import dataclass
-
-import torch
-
-from specfork.errors import ModelLoadError
-from specfork.loading.resolve import CheckpointFormat, CheckpointLocation, resolve_checkpoint
-from specfork.loading.tokenizer import Tokenizer, load_gguf_tokenizer, load_hf_tokenizer
-from specfork.models.config import ModelArchConfig
-from specfork.models.llama import LlamaForCausalLM
-
-logger = logging.getLogger(__name__)
+from specfork.loading.resolve import CheckpointLocation, resolve_checkpoint
 
 __all__ = ["LoadedModel", "load_model", "resolve_checkpoint", "CheckpointLocation"]
 
 
-@dataclass
-class LoadedModel:
-    model: LlamaForCausalLM
-    arch: ModelArchConfig
-    tokenizer: Tokenizer | None
-    location: CheckpointLocation
+def __getattr__(name: str):
+    if name in ("LoadedModel", "load_model"):
+        from specfork.loading import loader
 
-
-def load_model(
-    model: str,
-    *,
-    device: torch.device,
-    dtype: torch.dtype,
-    max_positions: int | None = None,
-    weights: str = "fp32",
-    quantize_group: int | None = None,
-) -> LoadedModel:
-    """Load ``model`` (alias, HF dir or GGUF file) onto ``device`` in ``dtype``.
-
-    ``weights``: "native" keeps a GGUF's Q4_0/Q4_1/Q8_0 matrices quantised (run by the native
-    kernel on CPU in float32); "fp32" dequantises everything at load. ``quantize_group``
-    quantises the projection matrices of an HF checkpoint to 4 bits in groups of that many inputs.
-    """
-    location = resolve_checkpoint(model)
-    if location.format is CheckpointFormat.GGUF:
-        from specfork.loading.gguf import load_gguf_tensors, open_gguf, read_gguf_config
-
-        reader = open_gguf(location.path)
-        arch = read_gguf_config(reader, location.path)
-        tensors = load_gguf_tensors(reader, arch, location.path, native=weights == "native")
-        tokenizer = load_gguf_tokenizer(location.path)
-    else:
-        from specfork.loading.safetensors import load_safetensors, read_hf_config
-
-        arch = read_hf_config(location.path)
-        tensors = load_safetensors(location.path)
-        tokenizer = load_hf_tokenizer(location.path)
-        if quantize_group is not None and device.type == "cpu" and dtype == torch.float32:
-            from specfork.layers.quantized import quantize_int4
-
-            for name, t in list(tensors.items()):
-                if name.endswith("proj.weight") and t.dim() == 2 and t.shape[1] % quantize_group == 0:
-                    tensors[name] = quantize_int4(t, quantize_group)
-    if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in arch.eos_token_ids:
-        from dataclasses import replace
-
-        arch = replace(arch, eos_token_ids=arch.eos_token_ids + (tokenizer.eos_token_id,))
-
-    def take(name: str) -> torch.Tensor | None:
-        t = tensors.pop(name, None)
-        return None if t is None else t.to(device=device, dtype=dtype)
-
-    positions = max_positions or arch.max_position_embeddings
-    try:
-        net = LlamaForCausalLM(arch, take, positions).to(device)
-    except RuntimeError as e:  # shape mismatches between config and tensors
-        raise ModelLoadError(f"{location.path}: tensors do not match the config: {e}") from None
-    _check_shapes(net, arch, location)
-    leftover = [n for n in tensors if not n.endswith("rotary_emb.inv_freq")]
-    if leftover:
-        logger.warning("ignored %d unexpected tensors, e.g. %s", len(leftover), leftover[:3])
-    net.eval()
-    return LoadedModel(net, arch, tokenizer, location)
-
-
-def _check_shapes(net: LlamaForCausalLM, arch: ModelArchConfig, location: CheckpointLocation) -> None:
-    emb = net.embed_tokens.weight.shape
-    if emb[1] != arch.hidden_size or emb[0] < arch.vocab_size:
-        raise ModelLoadError(f"{location.path}: embedding shape {tuple(emb)} does not match the config")
-    attn = net.layers[0].self_attn
-    expected = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
-    if attn.qkv_proj.out_features != expected or attn.qkv_proj.in_features != arch.hidden_size:
-        raise ModelLoadError(f"{location.path}: attention weights do not match the config")
+        return getattr(loader, name)
+    raise AttributeError(f"module 'specfork.loading' has no attribute {name!r}")

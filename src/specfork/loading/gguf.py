@@ -1,5 +1,7 @@
-"""Load GGUF files: architecture from metadata, tensors dequantized to float32 with the
-``gguf`` package and renamed to HF names (Llama q/k rows un-permuted back to HF's RoPE layout)."""
+"""Load GGUF files: architecture from metadata, tensors renamed to HF names (Llama q/k rows
+un-permuted back to HF's RoPE layout), kept quantised for the native kernel or dequantised to
+float32. The file is parsed once (:class:`GGUFFile`) and shared by the config, the tensors and
+the tokenizer."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import numpy as np
 import torch
 
 from specfork.errors import ModelLoadError
+from specfork.loading.gguf_file import GGUFFile, GGUFTensor
 from specfork.models.config import ModelArchConfig
 
 _LAYER_NAMES = {
@@ -33,30 +36,17 @@ _GLOBAL_NAMES = {
 _LAYER_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
-def open_gguf(path: Path):
-    import gguf
-
-    try:
-        return gguf.GGUFReader(str(path))
-    except Exception as e:  # the reader raises many exception types on corrupt files
-        raise ModelLoadError(f"malformed GGUF file {path}: {type(e).__name__}: {e}") from None
+def open_gguf(path: Path) -> GGUFFile:
+    return GGUFFile(path)
 
 
-def field_value(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    value = field.contents()
-    return value
-
-
-def read_gguf_config(reader, path: Path) -> ModelArchConfig:
-    arch = field_value(reader, "general.architecture")
+def read_gguf_config(reader: GGUFFile, path: Path) -> ModelArchConfig:
+    arch = reader.get("general.architecture")
     if arch not in ("llama", "qwen2", "qwen3"):
         raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r} (supported: llama, qwen2, qwen3)")
 
     def need(key: str):
-        value = field_value(reader, f"{arch}.{key}")
+        value = reader.get(f"{arch}.{key}")
         if value is None:
             raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.{key}")
         return value
@@ -64,17 +54,16 @@ def read_gguf_config(reader, path: Path) -> ModelArchConfig:
     heads = int(need("attention.head_count"))
     hidden = int(need("embedding_length"))
     names = {t.name for t in reader.tensors}
-    vocab = field_value(reader, f"{arch}.vocab_size")
+    vocab = reader.get(f"{arch}.vocab_size")
     if vocab is None:
-        tokens = reader.fields.get("tokenizer.ggml.tokens")
-        vocab = len(tokens.data) if tokens is not None else None
+        vocab = reader.array_length("tokenizer.ggml.tokens")
     if vocab is None:
         raise ModelLoadError(f"{path}: GGUF metadata gives no vocabulary size")
-    eos = field_value(reader, "tokenizer.ggml.eos_token_id")
+    eos = reader.get("tokenizer.ggml.eos_token_id")
     scaling = None
-    if field_value(reader, f"{arch}.rope.scaling.type") == "linear":
+    if reader.get(f"{arch}.rope.scaling.type") == "linear":
         scaling = {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
-    freq_tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    freq_tensor = reader.tensor("rope_freqs.weight")
     if freq_tensor is not None:
         # Llama 3.x GGUFs store their rope scaling as per-frequency divisors.
         scaling = {"rope_type": "freq_factors", "factors": dequantize_tensor(freq_tensor).tolist()}
@@ -85,16 +74,16 @@ def read_gguf_config(reader, path: Path) -> ModelArchConfig:
         intermediate_size=int(need("feed_forward_length")),
         num_layers=int(need("block_count")),
         num_heads=heads,
-        num_kv_heads=int(field_value(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(field_value(reader, f"{arch}.attention.key_length", hidden // heads)),
+        num_kv_heads=int(reader.get(f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(reader.get(f"{arch}.attention.key_length", hidden // heads)),
         rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(field_value(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_theta=float(reader.get(f"{arch}.rope.freq_base", 10000.0)),
         max_position_embeddings=int(need("context_length")),
         tie_word_embeddings="output.weight" not in names,
         rope_scaling=scaling,
         qkv_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
-        bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
+        bos_token_id=reader.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
     )
 
@@ -115,16 +104,20 @@ def _unpermute_rope_rows(w, num_heads: int):
     return w.rows(order) if hasattr(w, "rows") else w[order]
 
 
-def dequantize_tensor(tensor) -> torch.Tensor:
+def dequantize_tensor(tensor: GGUFTensor) -> torch.Tensor:
     """One GGUF tensor as float32 in PyTorch (row-major, HF) shape."""
-    import gguf
+    if tensor.type_name in ("F32", "F16"):
+        return torch.from_numpy(tensor.data.astype(np.float32))
+    if tensor.type_name == "BF16":
+        bits = tensor.data.view("<u2").astype(np.uint32) << 16
+        return torch.from_numpy(bits.view(np.float32).reshape(tensor.shape))
+    import gguf  # every block-quantised type's dequantiser
 
-    shape = tuple(int(d) for d in reversed(tensor.shape))
-    data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-    return torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))
+    data = gguf.quants.dequantize(tensor.data, gguf.GGMLQuantizationType(tensor.type_id))
+    return torch.from_numpy(np.array(data, dtype=np.float32).reshape(tensor.shape))
 
 
-def load_gguf_tensors(reader, cfg: ModelArchConfig, path: Path, *, native: bool = False) -> dict:
+def load_gguf_tensors(reader: GGUFFile, cfg: ModelArchConfig, path: Path, *, native: bool = False) -> dict:
     """HF-named tensors. With ``native``, Q4_0 / Q4_1 / Q8_0 matrices stay in their quantised
     form (:class:`QuantizedWeight`); everything else is dequantised to float32."""
     from specfork.layers.quantized import GGUF_FORMATS, from_gguf_blocks
@@ -134,10 +127,10 @@ def load_gguf_tensors(reader, cfg: ModelArchConfig, path: Path, *, native: bool 
         name = hf_name(tensor.name)
         if name is None:
             continue
-        type_name = tensor.tensor_type.name
+        type_name = tensor.type_name
         try:
             if native and type_name in GGUF_FORMATS and len(tensor.shape) == 2:
-                w = from_gguf_blocks(tensor.data, type_name, tuple(int(d) for d in reversed(tensor.shape)))
+                w = from_gguf_blocks(tensor.data, type_name, tensor.shape)
             else:
                 w = dequantize_tensor(tensor)
         except Exception as e:

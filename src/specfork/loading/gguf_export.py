@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
 from specfork.errors import ModelLoadError, SpecforkError
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +155,7 @@ def export_gguf(checkpoint: str | Path, output: str | Path, *, vocab_from: str |
             w = permute_rope_rows(w, arch.num_heads)
         elif name.endswith("attn_k.weight"):
             w = permute_rope_rows(w, arch.num_kv_heads)
-        array = w.numpy().astype(np.float32)
+        array = w.numpy().astype("float32")
         if array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32 and array.shape[1] % 32 == 0:
             writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
         else:
