@@ -9,8 +9,9 @@ import pytest
 import torch
 from conftest import _llama, randomize_
 
-from specfork.bench.report import format_table, write_all
-from specfork.bench.runner import BenchSettings, parse_sweep, run_benchmark
+from specfork.bench.report import COLUMNS, chart_series, format_table, plots, table_rows, write_all
+from specfork.bench.runner import parse_sweep, run_benchmark
+from specfork.bench.settings import BenchSettings
 from specfork.cli import main
 from specfork.errors import SpecforkError
 
@@ -60,6 +61,21 @@ def test_bench_writes_json_markdown_and_plots(tiny, tmp_path, monkeypatch):
         assert paths[name].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = format_table(report)
     assert "vs AR" in table and "1.00x" in table and "vs transformers AR" in table
+
+
+def test_plots_only_show_runs_with_data(tiny, tmp_path):
+    report = run_benchmark(_settings(tiny, modes=("ar", "sd"), repeat=1, warmup=0), [{}], progress=False)
+    rows = table_rows(report)
+    runs, values = chart_series(rows, COLUMNS.index("accept len"))
+    sd, ar = "specfork sd k=3 input_len=12", "specfork ar input_len=12"
+    assert runs == [sd] and values[(sd, "random")] >= 1.0 and values[(ar, "random")] is None
+    assert chart_series(rows, COLUMNS.index("tok/s"))[0] == [ar, sd]
+    out = tmp_path / "plots"
+    out.mkdir()
+    (out / "ssd_hit_rate.png").write_bytes(b"stale")  # from an earlier run with SSD
+    written = {p.stem for p in plots(report, out)}
+    assert written == {"tok_per_s", "speedup", "accepted_length", "latency_p50", "latency_p99"}
+    assert not (out / "ssd_hit_rate.png").exists()
 
 
 def test_batched_runs_include_transformers_batched_ar(tiny):

@@ -12,8 +12,9 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from specfork import LLM, SamplingParams
 from specfork.loading.resolve import resolve_checkpoint
 from specfork.training.data import load_examples, training_prompts
-from specfork.training.pipeline import DataSettings, TrainDraftJob, train_draft
-from specfork.training.trainer import DraftArch, DraftTrainer, TrainSettings, build_draft, is_eval_example
+from specfork.training.pipeline import TrainDraftJob, train_draft
+from specfork.training.settings import DataSettings, DraftArch, TrainSettings
+from specfork.training.trainer import DraftTrainer, build_draft, is_eval_example
 
 
 @pytest.fixture(scope="module")

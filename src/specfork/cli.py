@@ -15,6 +15,14 @@ from specfork.config import DEFAULT_MODEL
 from specfork.errors import SpecforkError
 
 EXIT_BAD_INPUT = 2
+DEMO_PROMPT = "Write a Python function that checks whether a number is prime."
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: the problem and where to read more, not the usage block."""
+
+    def error(self, message: str):
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -143,7 +151,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="specfork",
         description="specfork: exact speculative decoding (AR and SD; SSD builds on them). "
         "Run `specfork generate` to generate with the embedded SmolLM2-135M model.",
@@ -163,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
         "output lines (--output): {\"token_ids\": [...], \"text\": \"...\", \"metrics\": {...}} in input order",
     )
     src = gen.add_argument_group("prompts").add_mutually_exclusive_group()
-    src.add_argument("--prompt", help="one prompt; chat-templated when the model has a template (see --raw)")
+    src.add_argument("--prompt", help="one prompt; chat-templated when the model has a template (see --raw); "
+                     f"without --prompt and --prompts-file the demo prompt {DEMO_PROMPT!r} is used (and said)")
     src.add_argument("--prompts-file", type=Path, help="JSONL file of prompts (see below)")
     gen.add_argument("--raw", action="store_true", help="with --prompt: use the text as is, without the chat template")
     gen.add_argument("--output", type=Path, help="write one JSON line per prompt to this file")
@@ -171,6 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="progress bar for --prompts-file (default: on)")
     _add_engine_args(gen)
     _add_sampling_args(gen)
+    sub.add_parser(
+        "models",
+        help="list the model aliases and shipped drafts, with their file paths",
+        description="Print each model alias (usable as --model NAME) with the file it stands for, and the "
+        "drafts shipped with specfork (used by --mode sd|ssd when --draft is not given).",
+    )
     _add_train_draft_parser(sub)
     _add_export_gguf_parser(sub)
     _add_bench_parser(sub)
@@ -227,7 +242,7 @@ def _add_bench_serve_parser(sub) -> None:
 
 
 def _add_bench_parser(sub) -> None:
-    from specfork.bench.runner import DATASETS, MODES, PEERS, SWEEPABLE
+    from specfork.bench.settings import DATASETS, MODES, PEERS, SWEEPABLE
 
     p = sub.add_parser(
         "bench",
@@ -266,8 +281,7 @@ def _add_bench_parser(sub) -> None:
 
 
 def _add_train_draft_parser(sub) -> None:
-    from specfork.training.pipeline import DataSettings
-    from specfork.training.trainer import DraftArch, TrainSettings
+    from specfork.training.settings import DataSettings, DraftArch, TrainSettings
 
     d, a, t = DataSettings(), DraftArch(), TrainSettings()
     p = sub.add_parser(
@@ -350,7 +364,8 @@ def read_prompts_file(path: Path) -> list[dict]:
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as e:
-            raise SpecforkError(f"{path}:{lineno}: not valid JSON: {e.msg}") from None
+            raise SpecforkError(f"{path}:{lineno}:{e.colno}: not valid JSON: {e.msg} (line {lineno}, column "
+                                f"{e.colno})") from None
         if not isinstance(obj, dict):
             raise SpecforkError(f"{path}:{lineno}: each line must be a JSON object")
         keys = [k for k in ("prompt", "messages", "token_ids") if k in obj]
@@ -386,7 +401,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from specfork.outputs import aggregate_metrics
 
     if args.prompt is None and args.prompts_file is None:
-        args.prompt = "Write a Python function that checks whether a number is prime."
+        print(f"no --prompt given; using the demo prompt: {DEMO_PROMPT!r}", file=sys.stderr)
+        args.prompt = DEMO_PROMPT
     params = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -422,7 +438,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(summary, file=sys.stderr)
         _print_auto_k(llm)
         return 0
-    if args.raw or llm.tokenizer is None or not llm.tokenizer.has_chat_template:
+    if args.raw or llm.tokenizer is None or not llm.tokenizer.has_chat_template():
         ids = llm.engine.encode_prompt(args.prompt)
     else:
         ids = llm.engine.encode_chat([{"role": "user", "content": args.prompt}])
@@ -453,9 +469,24 @@ def _print_auto_k(llm) -> None:
         print(f"k auto chose {auto_k.explain()}", file=sys.stderr)
 
 
+def cmd_models(args: argparse.Namespace) -> int:
+    from specfork.loading.resolve import ALIASES, SHIPPED_DRAFTS, resolve_checkpoint, shipped_drafts_dir
+
+    for alias in ALIASES:
+        try:
+            where = str(resolve_checkpoint(alias).path)
+        except SpecforkError as e:
+            where = f"unavailable: {e}"
+        print(f"{alias}\t{where}")
+        for target, draft in SHIPPED_DRAFTS.items():
+            if where.endswith(target):
+                print(f"  default draft\t{shipped_drafts_dir() / draft}")
+    return 0
+
+
 def cmd_train_draft(args: argparse.Namespace) -> int:
-    from specfork.training.pipeline import DataSettings, TrainDraftJob, train_draft
-    from specfork.training.trainer import DraftArch, TrainSettings
+    from specfork.training.pipeline import TrainDraftJob, train_draft
+    from specfork.training.settings import DataSettings, DraftArch, TrainSettings
 
     job = TrainDraftJob(
         target=args.target,
@@ -505,7 +536,8 @@ def cmd_export_gguf(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from specfork.bench.report import format_table, write_all
-    from specfork.bench.runner import DATASETS, BenchSettings, parse_sweep, run_benchmark
+    from specfork.bench.runner import parse_sweep, run_benchmark
+    from specfork.bench.settings import DATASETS, BenchSettings
 
     def split(text: str) -> tuple[str, ...]:
         return tuple(x.strip() for x in text.split(",") if x.strip())
@@ -577,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EXIT_BAD_INPUT
     try:
-        commands = {"generate": cmd_generate, "train-draft": cmd_train_draft, "export-gguf": cmd_export_gguf,
+        commands = {"generate": cmd_generate, "models": cmd_models, "train-draft": cmd_train_draft, "export-gguf": cmd_export_gguf,
                     "bench": cmd_bench, "serve": cmd_serve, "bench-serve": cmd_bench_serve}
         return commands[args.command](args)
     except SpecforkError as e:

@@ -126,41 +126,60 @@ def markdown(report: dict, command: str) -> str:
     return "\n".join(head + body + notes) + "\n"
 
 
+def _number(cell: str) -> float | None:
+    return float(cell.rstrip("x")) if cell not in ("-", "") else None
+
+
+def chart_series(rows: list[list[str]], col: int) -> tuple[list[str], dict[tuple[str, str], float | None]]:
+    """The runs that have a value in table column ``col`` (in any dataset), and every (run,
+    dataset) value of that column."""
+    values = {(r[0], r[1]): _number(r[col]) for r in rows}
+    return list(dict.fromkeys(run for (run, _), v in values.items() if v is not None)), values
+
+
 def plots(report: dict, directory: Path) -> list[Path]:
-    """Bar charts: tok/s, speedup over AR, accepted length, SSD hit rate, latency p50/p99."""
+    """Bar charts: tok/s, speedup over AR, accepted length, SSD hit rate, latency p50/p99. A chart
+    shows only the runs that have its metric (no AR bar in accepted length) and is written only
+    when some run has it (no SSD hit-rate chart without SSD); every bar is labelled with its value."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = table_rows(report)
-    runs = list(dict.fromkeys(r[0] for r in rows))
     datasets = list(dict.fromkeys(r[1] for r in rows))
     charts = {
-        "tok_per_s": (2, "tokens/s"),
-        "speedup": (4, "speedup over specfork AR"),
-        "accepted_length": (5, "mean accepted length"),
-        "ssd_hit_rate": (6, "SSD cache hit rate"),
-        "latency_p50": (8, "end-to-end latency p50 (s)"),
-        "latency_p99": (9, "end-to-end latency p99 (s)"),
+        "tok_per_s": (2, "tokens/s", "generated tokens per second"),
+        "speedup": (4, "speedup over specfork AR", "x specfork AR"),
+        "accepted_length": (5, "mean accepted length", "tokens per target forward"),
+        "ssd_hit_rate": (6, "SSD cache hit rate", "share of rounds served from the cache"),
+        "latency_p50": (8, "end-to-end latency p50", "seconds per request"),
+        "latency_p99": (9, "end-to-end latency p99", "seconds per request"),
     }
     written = []
-    for name, (col, title) in charts.items():
-        fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(runs) * len(datasets) / 2), 4))
+    for name, (col, title, unit) in charts.items():
+        runs, values = chart_series(rows, col)
+        for stale in directory.glob(f"{name}.png"):
+            stale.unlink()  # a chart from an earlier run in this directory would be misread as this run's
+        if not runs:
+            continue
+        fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(runs) * max(1, len(datasets)) / 2), 4.5))
         width = 0.8 / max(1, len(datasets))
         for d_index, dataset in enumerate(datasets):
-            values = []
-            for run in runs:
-                cell = next((r[col] for r in rows if r[0] == run and r[1] == dataset), "-")
-                values.append(float(cell.rstrip("x")) if cell not in ("-", "") else 0.0)
-            ax.bar([i + d_index * width for i in range(len(runs))], values, width, label=dataset)
+            heights = [values.get((run, dataset)) for run in runs]
+            bars = ax.bar([i + d_index * width for i in range(len(runs))], [h or 0.0 for h in heights], width,
+                          label=dataset)
+            ax.bar_label(bars, labels=["" if h is None else f"{h:.3g}" for h in heights], fontsize=7, padding=2)
         ax.set_xticks([i + width * (len(datasets) - 1) / 2 for i in range(len(runs))])
-        ax.set_xticklabels(runs, rotation=30, ha="right", fontsize=7)
+        ax.set_xticklabels(runs, rotation=25, ha="right", fontsize=8)
         ax.set_title(title)
-        ax.legend(fontsize=7)
+        ax.set_ylabel(unit)
+        ax.set_xlabel("run")
+        ax.margins(y=0.15)
+        ax.legend(title="dataset", fontsize=8)
         fig.tight_layout()
         path = directory / f"{name}.png"
-        fig.savefig(path, dpi=100)
+        fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
     return written

@@ -124,8 +124,19 @@ class LLMEngine:
                 "(prompt plus at least one generated token)"
             )
 
+    def check_length(self, prompt_len: int, max_tokens: int) -> None:
+        """The one length rule of every entry point (API, CLI, server): the prompt plus
+        ``max_tokens`` must fit in the context (``max_model_len``)."""
+        if prompt_len + max_tokens > self.max_model_len:
+            raise PromptError(
+                f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) is {prompt_len + max_tokens} "
+                f"tokens, more than the context holds (max_model_len {self.max_model_len}); lower max_tokens "
+                f"to at most {max(self.max_model_len - prompt_len, 0)}"
+            )
+
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         self.check_prompt_ids(prompt_ids)
+        self.check_length(len(prompt_ids), params.max_tokens)
         seq_id = next(self._ids)
         gen = torch.Generator(device=self.device)
         gen.manual_seed(params.seed if params.seed is not None else self.config.seed * 1_000_003 + seq_id)

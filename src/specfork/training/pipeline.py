@@ -15,36 +15,16 @@ from pathlib import Path
 
 import torch
 
-from specfork.errors import SpecforkError
 from specfork.training.data import generate_examples, training_prompts
+from specfork.training.settings import DataSettings, DraftArch, TrainSettings
 from specfork.training.trainer import (
-    DraftArch,
     DraftTrainer,
-    TrainSettings,
     build_draft,
     evaluate_tokens,
     save_draft,
 )
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class DataSettings:
-    num_prompts: int = 1536
-    code_fraction: float = 0.5
-    max_new_tokens: int = 256
-    max_prompt_tokens: int = 384
-    shard_size: int = 64
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.num_prompts < 1:
-            raise SpecforkError(f"num_prompts must be >= 1, got {self.num_prompts}")
-        if not 0.0 <= self.code_fraction <= 1.0:
-            raise SpecforkError(f"code_fraction must be in [0, 1], got {self.code_fraction}")
-        if self.max_new_tokens < 1 or self.max_prompt_tokens < 1 or self.shard_size < 1:
-            raise SpecforkError("max_new_tokens, max_prompt_tokens and shard_size must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,53 @@
+"""What ``specfork bench`` runs: modes, datasets, peers and one validated settings object.
+Importing it costs nothing (no torch), so ``specfork --help`` stays fast."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specfork.errors import SpecforkError
+
+MODES = ("ar", "sd", "ssd", "ngram")
+DATASETS = ("humaneval", "sharegpt", "random")
+PEERS = ("transformers", "llama.cpp")
+SWEEPABLE = {"k": int, "fan_out": int, "temperature": float, "input_len": int, "batch_size": int, "dataset": str}
+
+
+@dataclass(frozen=True, slots=True)
+class BenchSettings:
+    model: str = "smollm2-135m"
+    draft: str = "default"
+    modes: tuple[str, ...] = ("ar", "sd", "ssd", "ngram")
+    datasets: tuple[str, ...] = ("humaneval", "sharegpt")
+    num_prompts: int = 4
+    input_len: int | None = None
+    output_len: int = 256
+    temperature: float = 0.0
+    k: int = 5
+    fan_out: int = 3
+    backup: str = "jit"
+    batch_size: int = 1
+    threads: int | None = None
+    repeat: int = 1
+    warmup: int = 1
+    peers: tuple[str, ...] = ()
+    seed: int = 0
+    target_cores: str | None = None  # SSD core placement (default: halves)
+    draft_cores: str | None = None
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("modes", MODES), ("datasets", DATASETS), ("peers", PEERS)):
+            bad = [x for x in getattr(self, name) if x not in allowed]
+            if bad:
+                raise SpecforkError(f"unknown {name} {bad}; choose from {', '.join(allowed)}")
+        if not self.modes:
+            raise SpecforkError("--modes needs at least one mode")
+        for name in ("num_prompts", "output_len", "k", "fan_out", "batch_size", "repeat"):
+            if getattr(self, name) < 1:
+                raise SpecforkError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise SpecforkError(f"warmup must be >= 0, got {self.warmup}")
+        if self.input_len is not None and self.input_len < 1:
+            raise SpecforkError(f"input_len must be >= 1, got {self.input_len}")
+        if "random" in self.datasets and self.input_len is None:
+            raise SpecforkError("the random dataset needs --input-len")
