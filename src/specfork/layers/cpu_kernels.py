@@ -24,8 +24,29 @@ def build_directory() -> Path:
 # intrinsics), so element-wise arithmetic rounds exactly as the same PyTorch ops do.
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
 STALE_LOCK_S = 600.0  # a build takes a few minutes; an older lock was left by a killed build
+MODULE_NAME = "specfork_kernels"
 SOURCES = ("small_m_gemm.cpp", "quant_gemm.cpp", "rms_norm.cpp", "paged_attention.cpp", "decoder_layer.cpp",
            "bindings.cpp")
+
+
+def keyed_directory() -> Path:
+    """Where the build for these sources, this torch and these flags lives (a cache: a second
+    install, or any later process, imports it without compiling)."""
+    import torch
+
+    digest = hashlib.sha256(torch.__version__.encode() + repr(FLAGS).encode())
+    for path in [_CSRC / name for name in SOURCES] + [_CSRC / "kernels.h"]:
+        digest.update(path.name.encode() + path.read_bytes())
+    return build_directory() / f"kernels-{digest.hexdigest()[:16]}"
+
+
+def library_path() -> Path:
+    return keyed_directory() / f"{MODULE_NAME}.so"
+
+
+def compiled_sources(directory: Path) -> int:
+    """How many sources of a build in progress are compiled (ninja writes one object each)."""
+    return len(list(directory.glob("*.o")))
 
 
 @cache
@@ -37,24 +58,19 @@ def kernels():
     it first if needed. A finished build is imported directly, without torch's build lock: a process
     killed while holding that lock would otherwise leave every later process waiting on it forever."""
     try:
-        import torch
         from torch.utils.cpp_extension import load
 
-        files = [_CSRC / name for name in SOURCES] + [_CSRC / "kernels.h"]
-        digest = hashlib.sha256(torch.__version__.encode() + repr(FLAGS).encode())
-        for path in files:
-            digest.update(path.name.encode() + path.read_bytes())
-        directory = build_directory() / f"kernels-{digest.hexdigest()[:16]}"
-        module_name = "specfork_kernels"
-        library = directory / f"{module_name}.so"
+        directory = keyed_directory()
+        library = directory / f"{MODULE_NAME}.so"
         if library.exists():
-            return _import(module_name, library)
+            return _import(MODULE_NAME, library)
         directory.mkdir(parents=True, exist_ok=True)
         lock = directory / "lock"
         if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
             lock.unlink(missing_ok=True)
+        logger.info("compiling the native CPU kernels in %s (a few minutes, once)", directory)
         return load(
-            name=module_name,
+            name=MODULE_NAME,
             sources=[str(_CSRC / name) for name in SOURCES],
             build_directory=str(directory),
             extra_cflags=list(FLAGS),
@@ -72,7 +88,3 @@ def _import(module_name: str, library: Path):
     spec.loader.exec_module(module)
     return module
 
-
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO)
-    raise SystemExit(0 if kernels() is not None else 1)
