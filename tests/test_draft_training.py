@@ -7,10 +7,12 @@ import json
 import pytest
 import torch
 from helpers import prefill_logits as runner_prefill_logits
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from specfork import LLM, SamplingParams
+from specfork.loading.gguf_file import GGUFFile
 from specfork.loading.resolve import resolve_checkpoint
+from specfork.loading.tokenizer import load_gguf_tokenizer
 from specfork.training.data import load_examples, training_prompts
 from specfork.training.pipeline import TrainDraftJob, train_draft
 from specfork.training.settings import DataSettings, DraftArch, TrainSettings
@@ -22,7 +24,8 @@ def tiny_target(tmp_path_factory):
     """A random 2-layer Llama with SmolLM2's tokenizer (vocabulary 49152, chat template)."""  # noqa: D401
     path = tmp_path_factory.mktemp("tiny_target")
     gguf = resolve_checkpoint("smollm2-135m").path
-    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(path)
+    # The tokenizer as specfork builds it from the GGUF, saved the way train-draft saves a draft's.
+    load_gguf_tokenizer(GGUFFile(gguf)).hf.save_pretrained(path)
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, eos_token_id=2, bos_token_id=1,

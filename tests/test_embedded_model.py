@@ -21,7 +21,8 @@ from transformers import AutoModelForCausalLM
 from specfork import LLM, SamplingParams
 from specfork.loading.resolve import resolve_checkpoint
 
-MAX_TOKENS = 64
+SHORT, LONG = 32, 128  # tokens compared by default / in the long version (`pytest -m slow`, run by CI when time allows)
+LENGTHS = [SHORT, pytest.param(LONG, marks=pytest.mark.slow)]
 GGUF_EOS = 2  # <|im_end|>
 
 CHATS = [
@@ -80,18 +81,25 @@ def prompts(llm) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def batched_outputs(llm, prompts):
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
-    assert llm.engine.block_manager.num_used_blocks == 0
-    return outs
+    """All prompts generated together (greedy), once per length: ``batched_outputs(max_tokens)``."""
+    done = {}
+
+    def outputs(max_tokens: int):
+        if max_tokens not in done:
+            done[max_tokens] = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+            assert llm.engine.block_manager.num_used_blocks == 0
+        return done[max_tokens]
+
+    return outputs
 
 
 @torch.inference_mode()
-def hf_greedy(model, prompt: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+def hf_greedy(model, prompt: list[int], max_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
     out = model.generate(
         torch.tensor([prompt]),
         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
         do_sample=False,
-        max_new_tokens=MAX_TOKENS,
+        max_new_tokens=max_tokens,
         eos_token_id=GGUF_EOS,
         pad_token_id=GGUF_EOS,
         output_logits=True,
@@ -107,24 +115,25 @@ def test_chat_and_text_entry_points_tokenize_as_used(llm, prompts, batched_outpu
     """``llm.chat`` and ``llm.generate(text)`` feed exactly the ids the comparison uses."""
     one = SamplingParams(temperature=0.0, max_tokens=1)
     via_api = llm.chat(CHATS, one) + llm.generate(humaneval_prompts(NUM_CODE), one)
-    for ids, out, full in zip(prompts, via_api, batched_outputs, strict=True):
+    for ids, out, full in zip(prompts, via_api, batched_outputs(SHORT), strict=True):
         assert out.prompt_token_ids == ids
         assert out.token_ids == full.token_ids[:1]
     chat_text = llm.tokenizer.decode(prompts[0], skip_special_tokens=False)
     assert chat_text.count("<|im_start|>") == 3 and chat_text.endswith("<|im_start|>assistant\n")
 
 
+@pytest.mark.parametrize("max_tokens", LENGTHS)
 @pytest.mark.parametrize("index", range(len(CHATS) + NUM_CODE))
-def test_greedy_matches_transformers(llm, hf_model, prompts, batched_outputs, index):
-    prompt, out = prompts[index], batched_outputs[index]
+def test_greedy_matches_transformers(llm, hf_model, prompts, batched_outputs, index, max_tokens):
+    prompt, out = prompts[index], batched_outputs(max_tokens)[index]
     assert out.prompt_token_ids == prompt
-    ref_tokens, ref_logits = hf_greedy(hf_model, prompt)
+    ref_tokens, ref_logits = hf_greedy(hf_model, prompt, max_tokens)
     kind = "chat" if index < len(CHATS) else "code"
     assert_greedy_match(out.token_ids, ref_tokens, ref_logits, label=f"{kind} prompt {index}")
     if out.finish_reason == "stop":
         assert out.token_ids[-1] == GGUF_EOS
     else:
-        assert out.finish_reason == "length" and len(out.token_ids) == MAX_TOKENS
+        assert out.finish_reason == "length" and len(out.token_ids) == max_tokens
 
 
 def test_prefill_logits_match_transformers(llm, hf_model, prompts):

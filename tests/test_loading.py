@@ -33,7 +33,7 @@ def test_hf_directory_with_tokenizer_and_chat_template(tmp_path):
                                  num_attention_heads=2, num_key_value_heads=1, eos_token_id=2,
                                  bos_token_id=1)).save_pretrained(tmp_path)
     llm = LLM(str(tmp_path))
-    assert llm.tokenizer is not None and llm.tokenizer.has_chat_template
+    assert llm.tokenizer is not None and llm.tokenizer.has_chat_template()
     messages = [{"role": "user", "content": "Hi there"}]
     expected = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = llm.engine.encode_chat(messages)

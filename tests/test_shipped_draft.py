@@ -20,23 +20,32 @@ def target_location():
     return resolve_checkpoint("smollm2-135m")
 
 
+PARAMS = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ar_reference():
+    """(prompt ids, AR's deterministic greedy outputs) shared by the SD and SSD checks."""
+    ar = LLM(deterministic=True)
+    ids = [ar.engine.encode_chat(p) if isinstance(p, list) else ar.engine.encode_prompt(p) for p in PROMPTS]
+    return ids, [o.token_ids for o in ar.generate(ids, PARAMS)]
+
+
 def test_shipped_draft_is_small_and_shares_the_target_vocabulary(target_location):
-    import gguf
+    from specfork.loading.gguf_file import GGUFFile
 
     path = shipped_drafts_dir() / SHIPPED_DRAFTS[target_location.path.name]
     assert resolve_draft(None, target_location) == resolve_draft("default", target_location) == str(path)
     assert path.stat().st_size <= 25 * 1024 * 1024
-    draft, target = gguf.GGUFReader(str(path)), gguf.GGUFReader(str(target_location.path))
+    draft, target = GGUFFile(path), GGUFFile(target_location.path)
     for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.eos_token_id"):
-        assert draft.fields[key].contents() == target.fields[key].contents(), key
+        assert draft.get(key) == target.get(key), key
 
 
-def test_sd_with_the_shipped_draft_reproduces_ar_exactly():
-    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    ar = LLM(deterministic=True)
+def test_sd_with_the_shipped_draft_reproduces_ar_exactly(ar_reference):
+    ids, expected = ar_reference
+    params = PARAMS
     sd = LLM(mode="sd", k=5, deterministic=True)  # no draft given: the shipped one
-    ids = [ar.engine.encode_chat(p) if isinstance(p, list) else ar.engine.encode_prompt(p) for p in PROMPTS]
-    expected = [o.token_ids for o in ar.generate(ids, params)]
     outputs = sd.generate(ids, params)
     assert [o.token_ids for o in outputs] == expected
     from specfork.outputs import aggregate_metrics
@@ -47,13 +56,10 @@ def test_sd_with_the_shipped_draft_reproduces_ar_exactly():
 
 
 @pytest.mark.dist
-def test_ssd_with_the_shipped_draft_reproduces_ar_exactly():
-    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    ar = LLM(deterministic=True)
-    ids = [ar.engine.encode_chat(p) if isinstance(p, list) else ar.engine.encode_prompt(p) for p in PROMPTS]
-    expected = [o.token_ids for o in ar.generate(ids, params)]
+def test_ssd_with_the_shipped_draft_reproduces_ar_exactly(ar_reference):
+    ids, expected = ar_reference
     with LLM(mode="ssd", k=5, deterministic=True) as ssd:
-        outputs = ssd.generate(ids, params)
+        outputs = ssd.generate(ids, PARAMS)
         assert ssd.engine.step_strategy.proposer.failure is None
     assert [o.token_ids for o in outputs] == expected
     from specfork.outputs import aggregate_metrics

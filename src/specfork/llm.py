@@ -102,10 +102,14 @@ class LLM:
             from tqdm import tqdm
 
             progress = tqdm(total=len(seqs), desc="generating", unit="req")
+        # A set of the unfinished, not a scan of every sequence per step (quadratic in big batches).
+        unfinished = {s.seq_id: s for s in seqs if not s.is_finished}
         try:
-            while any(not s.is_finished for s in seqs):
-                for update in engine.step():
-                    if update.finished and progress is not None:
+            while unfinished:
+                updates = engine.step()
+                done = [u.seq for u in updates if u.finished] if updates else list(unfinished.values())
+                for seq in done:
+                    if seq.is_finished and unfinished.pop(seq.seq_id, None) is not None and progress is not None:
                         progress.update(1)
         finally:
             for s in seqs:
