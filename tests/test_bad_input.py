@@ -127,10 +127,39 @@ def test_cli_empty_prompt(tiny_dir):
     assert r.returncode == 2 and "prompt is empty" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_cli_refuses_an_empty_chat_prompt_and_too_many_tokens():
+    """The embedded model has a chat template: an empty --prompt is refused there too (it used to
+    be templated and answered), and --max-tokens follows the one length rule the server uses."""
+    r = run_cli("generate", "--prompt", "")
+    assert r.returncode == 2 and r.stderr.strip() == "error: prompt is empty"
+    r = run_cli("generate", "--prompt", "Hi", "--max-tokens", "1000000000")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "plus max_tokens (1000000000)" in r.stderr and "max_model_len 8192" in r.stderr
+
+
+def test_empty_chat_messages_are_refused():
+    from specfork.loading.tokenizer import check_messages
+
+    for messages in ([{"role": "user", "content": ""}], [{"role": "system", "content": "be brief"},
+                                                          {"role": "user", "content": ""}]):
+        with pytest.raises(PromptError, match="content is empty"):
+            check_messages(messages)
+    check_messages([{"role": "user", "content": " "}])  # whitespace is content
+
+
+def test_cli_argument_errors_are_one_line_pointing_to_help():
+    r = run_cli("generate", "--temperature", "warm")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "invalid float value: 'warm'" in r.stderr and "see `specfork generate --help`" in r.stderr
+    r = run_cli("generate", "--prompt", "Hi", "--prompts-file", "x.jsonl")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "not allowed with argument" in r.stderr
+
+
 def test_cli_prompts_file_errors(tmp_path, tiny_dir):
     cases = {
         b'{"token_ids": [1, 2]}\n\xff\xfe bad bytes\n': "line 2: line is not valid UTF-8",
-        b'{"token_ids": [1, 2]}\n{not json\n': "2: not valid JSON",
+        b'{"token_ids": [1, 2]}\n{not json\n': "2:2: not valid JSON: Expecting property name enclosed in double "
+                                                 "quotes (line 2, column 2)",
         b'{"text": "x"}\n': "1: each line needs exactly one of",
         b'{"token_ids": []}\n': "1: prompt is empty",
         b'{"token_ids": [1, 9999]}\n': "outside the vocabulary",

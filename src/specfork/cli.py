@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from specfork.config import DEFAULT_MODEL
-from specfork.errors import SpecforkError
+from specfork.errors import PromptError, SpecforkError
 
 EXIT_BAD_INPUT = 2
 DEMO_PROMPT = "Write a Python function that checks whether a number is prime."
@@ -409,6 +409,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from specfork import LLM, SamplingParams
     from specfork.outputs import aggregate_metrics
 
+    if args.prompt == "":
+        raise PromptError("prompt is empty")
     if args.prompt is None and args.prompts_file is None:
         print(f"no --prompt given; using the demo prompt: {DEMO_PROMPT!r}", file=sys.stderr)
         args.prompt = DEMO_PROMPT
