@@ -2,7 +2,7 @@
 same machine in the same run (absolute times differ from machine to machine; the differences
 to torch's import are what the goals are stated in).
 
-    python benchmarks/bench_startup.py [--repeat 3] [--model smollm2-135m] [--skip-ssd]
+    python benchmarks/bench_startup.py [--repeat 3] [--model smollm2-135m] [--skip-ssd] [--skip-phases]
 
 Prints:
   1. whole commands, median of --repeat runs: `import torch`, `specfork --help`, `specfork
@@ -92,6 +92,8 @@ marks.append(("native kernels (import the built library)", t()))
 from specfork.loading.resolve import resolve_checkpoint
 from specfork.loading.gguf import open_gguf, read_gguf_config, load_gguf_tensors
 from specfork.loading.tokenizer import load_gguf_tokenizer
+threads = torch.get_num_threads()
+torch.set_num_threads(1)  # as load_model does while loading
 location = resolve_checkpoint(sys.argv[1])
 reader = open_gguf(location.path)
 arch = read_gguf_config(reader, location.path)
@@ -103,6 +105,7 @@ marks.append(("tokenizer from the GGUF vocabulary", t()))
 from specfork.models.llama import LlamaForCausalLM
 LlamaForCausalLM(arch, lambda n: tensors.pop(n, None), 8192)
 marks.append(("build the model (pack weights for the kernel)", t()))
+torch.set_num_threads(threads)
 llm = LLM(model=sys.argv[1])
 marks.append(("whole LLM() (all of the above again, plus KV cache)", t()))
 ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": sys.argv[2]}])
@@ -125,6 +128,8 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--repeat", type=int, default=3, help="runs per command; the median is shown (default 3)")
     parser.add_argument("--skip-ssd", action="store_true", help="do not time the SSD server")
+    parser.add_argument("--skip-phases", action="store_true",
+                        help="only the whole commands (e.g. to time an older checkout through PYTHONPATH)")
     args = parser.parse_args()
     env_threads = os.cpu_count()
 
@@ -145,6 +150,8 @@ def main() -> None:
     for name, seconds in rows:
         extra = "" if name.startswith("python") or name.endswith("--help") else f"{seconds - torch_s:+15.2f}"
         print(f"  {name:<52} {seconds:8.2f} {extra}")
+    if args.skip_phases:
+        return
     print("phases of one process (seconds):")
     for name, seconds in phases(args.model):
         print(f"  {name:<52} {seconds:8.3f}")
