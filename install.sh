@@ -35,5 +35,5 @@ python -m pip install -e ".[dev]"
 
 step 5 "native CPU kernels"
 # Optional: without a C++ compiler specfork falls back to PyTorch ops.
-specfork build-kernels || echo "warning: native CPU kernels not built; using the PyTorch fallback"
+python -m specfork.cli build-kernels || echo "warning: native CPU kernels not built; using the PyTorch fallback"
 printf '\n==> installed in %ss\n' "$((SECONDS - started))"

@@ -43,6 +43,14 @@ def test_empty_prompts(tiny_llm):
         tiny_llm.generate([])
 
 
+def test_a_refused_request_leaves_no_part_of_its_batch_queued(tiny_llm):
+    ok, too_long = SamplingParams(max_tokens=4), SamplingParams(max_tokens=100)
+    with pytest.raises(PromptError, match="max_model_len 64"):
+        tiny_llm.generate([[1, 2], [1, 2]], [ok, too_long])
+    assert not tiny_llm.engine.has_unfinished()
+    assert len(tiny_llm.generate([[1, 2]], ok)[0].token_ids) >= 1
+
+
 def test_prompt_longer_than_context(tiny_llm):
     with pytest.raises(PromptError, match="64"):
         tiny_llm.generate([[1] * 64])

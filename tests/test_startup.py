@@ -145,10 +145,121 @@ def test_malformed_gguf_is_a_clear_error(tmp_path, embedded):
     from specfork.errors import ModelLoadError
 
     cut = tmp_path / "cut.gguf"
-    cut.write_bytes(embedded.read_bytes()[:100_000])  # header intact, data missing
-    with pytest.raises(ModelLoadError, match="malformed GGUF file"):
+    cut.write_bytes(embedded.read_bytes()[:100_000])  # cut inside the vocabulary
+    with pytest.raises(ModelLoadError, match="truncated or corrupt header"):
         GGUFFile(cut)
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\xff" * 40)
     with pytest.raises(ModelLoadError, match="GGUF"):
         GGUFFile(bad)
+
+
+def test_special_tokens_outside_the_byte_alphabet_go_through_transformers(tmp_path):
+    """DeepSeek-style BOS/EOS are not spelled in the byte alphabet: such vocabularies are built by
+    transformers, so they tokenize exactly as transformers does (which re-spells those tokens)."""
+    spelled = list(byte_alphabet().values())
+    merges = ["h e", "Ġ t"]
+    tokens = spelled + ["he", "Ġt", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"]
+    w = gguf.GGUFWriter(str(tmp_path / "v.gguf"), "qwen2")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("deepseek-r1-qwen")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (len(tokens) - 2) + [3, 3])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(len(tokens) - 2)
+    w.add_eos_token_id(len(tokens) - 1)
+    w.add_add_bos_token(True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours = load_gguf_tokenizer(GGUFFile(tmp_path / "v.gguf"))
+    ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="v.gguf")
+    assert ours.encode("he the") == ref("he the")["input_ids"]
+    assert (ours.eos_token_id, ours.special_tokens["bos_token"]) == (ref.eos_token_id, ref.bos_token)
+
+
+def test_chat_templates_render_as_transformers_does(embedded):
+    from specfork import PromptError
+    from specfork.loading.tokenizer import Tokenizer
+
+    base = load_gguf_tokenizer(GGUFFile(embedded))
+
+    def tokenizer(template: str, **special) -> Tokenizer:
+        return Tokenizer(base._backend, chat_template=template, special_tokens={"bos_token": None, **special})
+
+    messages = [{"role": "user", "content": "hi"}]
+    unset = tokenizer("[{{ bos_token }}]{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert base.decode(unset.apply_chat_template(messages)) == "[]hi"  # an unset token renders as nothing
+    marked = tokenizer("{% for m in messages %}{% generation %}<{{ m.content }}>{% endgeneration %}{% endfor %}")
+    assert base.decode(marked.apply_chat_template(messages)) == "<hi>"
+    strict = tokenizer("{% if messages[0].role != 'system' %}{{ raise_exception('a system turn comes first') }}"
+                       "{% endif %}")
+    with pytest.raises(PromptError, match="a system turn comes first"):
+        strict.apply_chat_template(messages)
+
+
+def test_every_metadata_type_alignment_and_tensor_type(tmp_path):
+    path = tmp_path / "all.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_custom_alignment(64)
+    scalars = {"u8": (gguf.GGUFValueType.UINT8, 200), "i8": (gguf.GGUFValueType.INT8, -100),
+               "u16": (gguf.GGUFValueType.UINT16, 60000), "i16": (gguf.GGUFValueType.INT16, -30000),
+               "u32": (gguf.GGUFValueType.UINT32, 4_000_000_000), "i32": (gguf.GGUFValueType.INT32, -2_000_000_000),
+               "u64": (gguf.GGUFValueType.UINT64, 2**63 + 5), "i64": (gguf.GGUFValueType.INT64, -(2**62)),
+               "f32": (gguf.GGUFValueType.FLOAT32, 0.5), "f64": (gguf.GGUFValueType.FLOAT64, 1e-300),
+               "bool": (gguf.GGUFValueType.BOOL, True), "str": (gguf.GGUFValueType.STRING, "ünï")}
+    for key, (vtype, value) in scalars.items():
+        w.add_key_value(f"t.{key}", value, vtype)
+    w.add_key_value("t.f64s", [1.5, -2.25], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.FLOAT64)
+    w.add_key_value("t.bools", [True, False, True], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.BOOL)
+    w.add_key_value("t.strs", ["a", "", "日本"], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING)
+    rng = np.random.default_rng(0)
+    tensors = {"f32": rng.standard_normal((3, 5)).astype(np.float32),
+               "f16": rng.standard_normal((4, 6)).astype(np.float16)}
+    for name, array in tensors.items():
+        w.add_tensor(name, array)
+    bf16 = rng.standard_normal((2, 8)).astype(np.float32)
+    bits = (bf16.view(np.uint32) >> 16).astype(np.uint16)
+    w.add_tensor("bf16", bits.view(np.uint8).reshape(2, 16), raw_dtype=gguf.GGMLQuantizationType.BF16)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours = GGUFFile(path)
+    for key, (_, value) in scalars.items():
+        assert ours.get(f"t.{key}") == value, key
+    assert ours.get("t.f64s") == [1.5, -2.25] and ours.get("t.bools") == [True, False, True]
+    assert ours.get("t.strs") == ["a", "", "日本"] and ours.array_length("t.strs") == 3
+    assert ours.get("general.alignment") == 64
+    from specfork.loading.gguf import dequantize_tensor
+
+    for name, array in tensors.items():
+        t = ours.tensor(name)
+        assert t.shape == array.shape and np.array_equal(t.data, array)
+    got = dequantize_tensor(ours.tensor("bf16")).numpy()
+    assert got.shape == (2, 8) and np.array_equal(got, (bits.astype(np.uint32) << 16).view(np.float32))
+    raw = path.read_bytes()
+    last = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == "bf16")
+    (tmp_path / "end.gguf").write_bytes(raw[: last.data_offset + 8])  # metadata whole, the last tensor cut short
+    from specfork.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="extends past the end"):
+        GGUFFile(tmp_path / "end.gguf")
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "specfork.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_first_contact_commands(embedded):
+    r = _cli("models")
+    assert r.returncode == 0 and r.stdout.splitlines()[0] == f"smollm2-135m\t{embedded}"
+    assert "default draft" in r.stdout and r.stdout.split("default draft\t")[1].strip().endswith(".gguf")
+    from specfork.layers import cpu_kernels
+
+    if cpu_kernels.kernels() is not None:  # built by install.sh: a second build is instant
+        r = _cli("build-kernels")
+        assert r.returncode == 0 and "already built" in r.stdout
+    r = _cli("generate", "--max-tokens", "2")
+    assert r.returncode == 0 and "no --prompt given; using the demo prompt" in r.stderr and r.stdout.strip()

@@ -96,6 +96,9 @@ class LLM:
     def _run(self, prompt_ids: list[list[int]], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         params = _as_params_list(sampling_params, len(prompt_ids))
         engine = self.engine
+        for ids, p in zip(prompt_ids, params, strict=True):  # refuse the batch before queueing any of it
+            engine.check_prompt_ids(ids)
+            engine.check_length(len(ids), p.max_tokens)
         seqs = [engine.add_request(ids, p) for ids, p in zip(prompt_ids, params, strict=True)]
         progress = None
         if use_tqdm:

@@ -41,8 +41,9 @@ GGML_TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1
 class GGUFTensor:
     """One tensor's directory entry and a read-only view of its bytes in the map.
 
-    ``shape`` is in PyTorch (row-major) order, outermost first. ``data`` is [rows..., row_bytes]
-    uint8 for block-quantised types and the element type otherwise."""
+    ``shape`` is in PyTorch (row-major) order, outermost first. ``data`` is float32 / float16 in
+    ``shape`` for F32 / F16, and [rows..., row_bytes] uint8 for every other type (BF16 and the
+    block-quantised ones)."""
 
     name: str
     shape: tuple[int, ...]
@@ -71,12 +72,24 @@ class _StringArray:
         return self._values
 
 
+def _plain(value):
+    """A metadata value as plain Python: lists for arrays (of arrays too)."""
+    if isinstance(value, _StringArray):
+        return value.values()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
 class GGUFFile:
     """Parse ``path``'s header once; ``get(key)`` returns metadata values (lists for arrays),
     ``tensors`` the tensor directory with views of the data."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
+        self._pos = 0
         try:
             with self.path.open("rb") as f:
                 self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -84,18 +97,16 @@ class GGUFFile:
             raise ModelLoadError(f"cannot read GGUF file {self.path}: {e}") from None
         try:
             self._parse()
-        except (struct.error, IndexError, ValueError, UnicodeDecodeError) as e:
+        except struct.error:
+            raise ModelLoadError(f"malformed GGUF file {self.path}: truncated or corrupt header (a read at "
+                                 f"byte {self._pos} of {len(self._map)} runs past the end)") from None
+        except (IndexError, ValueError, UnicodeDecodeError, OverflowError, MemoryError) as e:
             raise ModelLoadError(f"malformed GGUF file {self.path}: {type(e).__name__}: {e}") from None
 
     # ---- metadata ------------------------------------------------------------------------------
 
     def get(self, key: str, default=None):
-        value = self._fields.get(key, default)
-        if isinstance(value, _StringArray):
-            return value.values()
-        if isinstance(value, np.ndarray):
-            return value.tolist()
-        return value
+        return _plain(self._fields.get(key, default))
 
     def array(self, key: str) -> np.ndarray | None:
         """A numeric array field as a numpy view (no per-element Python objects)."""
@@ -140,7 +151,9 @@ class GGUFFile:
             self._pos += 8 * n_dims
             type_id, offset = self._unpack("<IQ")
             infos.append((name, dims, type_id, offset))
-        alignment = int(self._fields.get("general.alignment", DEFAULT_ALIGNMENT))
+        alignment = self._fields.get("general.alignment", DEFAULT_ALIGNMENT)
+        if not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
+            raise ValueError(f"general.alignment must be a power of two, got {alignment!r}")
         data_start = -(-self._pos // alignment) * alignment
         self.tensors = [self._tensor(data_start, *info) for info in infos]
         self._by_name = {t.name: t for t in self.tensors}

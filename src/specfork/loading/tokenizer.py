@@ -8,11 +8,14 @@ Two sources, one interface (:class:`Tokenizer`):
   named by ``tokenizer.ggml.pre``. This is what transformers' GGUF conversion builds (the tests
   compare the two on real text), without importing transformers or re-reading the file, so the
   embedded model's tokenizer is ready in a fraction of a second instead of ~9 s.
-* HF directories, and GGUF vocabularies of any other kind, go through transformers.
+* HF directories, and GGUF vocabularies of any other kind (SentencePiece, other split rules,
+  special tokens spelled outside the byte alphabet, no merges), go through transformers, chat
+  templates included.
 
-Chat templates are rendered with jinja2 in a sandbox with the settings and helpers transformers
-gives them (``trim_blocks``, ``lstrip_blocks``, ``loopcontrols``, ``raise_exception``,
-``strftime_now``, a ``tojson`` that does not escape HTML).
+For the first kind, chat templates are rendered with jinja2 in a sandbox with the settings and
+helpers transformers gives them (``trim_blocks``, ``lstrip_blocks``, ``loopcontrols``,
+``raise_exception``, ``strftime_now``, a ``tojson`` that does not escape HTML, the
+``{% generation %}`` block); a template that refuses a conversation is a ``PromptError``.
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ logger = logging.getLogger(__name__)
 
 CONTROL_TOKEN, USER_DEFINED_TOKEN = 3, 4  # GGUF token types
 
-# The split rule of each GGUF pre-tokenizer name read here (llama.cpp's names); names not listed
-# here and not in _GPT2_SPLIT_NAMES go through transformers.
+# The split rule of each GGUF pre-tokenizer name built here (llama.cpp's names); vocabularies with
+# other names go through transformers (see _builds_here).
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -49,11 +52,12 @@ class Tokenizer:
 
     def __init__(self, backend, *, chat_template: str | None, special_tokens: dict[str, str | None],
                  hf_tokenizer=None) -> None:
-        """``backend``: a ``tokenizers.Tokenizer``; ``special_tokens``: bos/eos/unk/pad token
-        strings, as chat templates see them; ``hf_tokenizer``: the transformers tokenizer it came
-        from, if any."""
+        """``backend``: a ``tokenizers.Tokenizer`` built here, or None with ``hf_tokenizer``: a
+        transformers tokenizer that does everything (HF directories, other GGUF vocabularies).
+        ``special_tokens``: bos/eos/unk/pad token strings, as chat templates see them."""
         self._backend = backend
         self._hf = hf_tokenizer
+        self._via_transformers = hf_tokenizer is not None
         self.chat_template = chat_template or None
         self.special_tokens = special_tokens
 
@@ -62,8 +66,7 @@ class Tokenizer:
         special = {name: getattr(hf_tokenizer, name, None) for name in ("bos_token", "eos_token", "unk_token",
                                                                         "pad_token")}
         template = getattr(hf_tokenizer, "chat_template", None)
-        return cls(hf_tokenizer.backend_tokenizer if hasattr(hf_tokenizer, "backend_tokenizer") else None,
-                   chat_template=template if isinstance(template, str) else None, special_tokens=special,
+        return cls(None, chat_template=template if isinstance(template, str) else None, special_tokens=special,
                    hf_tokenizer=hf_tokenizer)
 
     @property
@@ -83,31 +86,27 @@ class Tokenizer:
 
     @property
     def pad_token_id(self) -> int | None:
-        return self._hf.pad_token_id if self._uses_hf else self._id("pad_token")
+        return self._hf.pad_token_id if self._via_transformers else self._id("pad_token")
 
     @property
     def eos_token_id(self) -> int | None:
-        return self._hf.eos_token_id if self._uses_hf else self._id("eos_token")
+        return self._hf.eos_token_id if self._via_transformers else self._id("eos_token")
 
     def has_chat_template(self) -> bool:
         return self.chat_template is not None
 
     @cached_property
     def vocab(self) -> dict[str, int]:
-        return self._hf.get_vocab() if self._uses_hf else self._backend.get_vocab(with_added_tokens=True)
-
-    @property
-    def _uses_hf(self) -> bool:
-        return self._backend is None or self._hf is not None
+        return self._hf.get_vocab() if self._via_transformers else self._backend.get_vocab(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
         """Raw text → ids, adding BOS/EOS only as the tokenizer's own settings say."""
-        if self._uses_hf:
+        if self._via_transformers:
             return list(self._hf(text)["input_ids"])
         return self._backend.encode(text).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        if self._uses_hf:
+        if self._via_transformers:
             return self._hf.decode(ids, skip_special_tokens=skip_special_tokens)
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
@@ -115,10 +114,20 @@ class Tokenizer:
         if not self.has_chat_template():
             raise PromptError("this model has no chat template; pass raw prompts instead")
         check_messages(messages)
-        text = self._template.render(messages=messages, tools=None, documents=None, add_generation_prompt=True,
-                                     **self.special_tokens)
+        import jinja2
+
+        try:
+            if self._via_transformers:
+                text = self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            else:
+                # As transformers does: tokens that are not set are left out (a template tests them).
+                special = {k: v for k, v in self.special_tokens.items() if v is not None}
+                text = self._template.render(messages=messages, tools=None, documents=None,
+                                             add_generation_prompt=True, **special)
+        except jinja2.TemplateError as e:  # the template refuses this conversation (e.g. roles out of order)
+            raise PromptError(f"the chat template refused these messages: {e}") from None
         # The template already writes every special token it wants.
-        if self._uses_hf:
+        if self._via_transformers:
             return list(self._hf(text, add_special_tokens=False)["input_ids"])
         return self._backend.encode(text, add_special_tokens=False).ids
 
@@ -128,12 +137,28 @@ class Tokenizer:
 
 
 def compile_chat_template(source: str):
-    """A chat template compiled in jinja2's immutable sandbox, with transformers' helpers."""
+    """A chat template compiled in jinja2's immutable sandbox, with the helpers transformers gives
+    templates (``raise_exception``, ``strftime_now``, an HTML-safe ``tojson``, the
+    ``{% generation %}`` block, rendered as its body)."""
     from datetime import datetime
 
     import jinja2
-    from jinja2.ext import loopcontrols
+    from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationBlock(Extension):
+        """``{% generation %}...{% endgeneration %}`` marks assistant text for training masks;
+        rendering keeps the body."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
 
     def raise_exception(message: str):
         raise jinja2.exceptions.TemplateError(message)
@@ -141,7 +166,8 @@ def compile_chat_template(source: str):
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols, GenerationBlock])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -180,13 +206,29 @@ def load_gguf_tokenizer(reader) -> Tokenizer | None:
     if kind is None or reader.array_length("tokenizer.ggml.tokens") is None:
         logger.info("%s has no tokenizer metadata; only token-id prompts can be used", reader.path)
         return None
-    pre = reader.get("tokenizer.ggml.pre")
-    if kind == "gpt2" and (pre in _SPLITS or pre in _GPT2_SPLIT_NAMES):
+    if _builds_here(reader, kind):
         try:
-            return _byte_level_bpe(reader, pre)
+            return _byte_level_bpe(reader, reader.get("tokenizer.ggml.pre"))
         except Exception as e:  # malformed vocabularies: say so, as for any checkpoint
             raise ModelLoadError(f"cannot build the tokenizer of {reader.path}: {e}") from None
     return _through_transformers(reader.path)
+
+
+def _builds_here(reader, kind: str) -> bool:
+    """Whether :func:`_byte_level_bpe` builds this vocabulary exactly as transformers does: byte-level
+    BPE with merges, a known split rule, and every named special token spelled in the byte alphabet
+    (transformers re-spells other tokens, so e.g. DeepSeek's ``<｜begin▁of▁sentence｜>`` goes there)."""
+    if kind != "gpt2" or not reader.array_length("tokenizer.ggml.merges"):
+        return False
+    pre = reader.get("tokenizer.ggml.pre")
+    if pre not in _SPLITS and pre not in _GPT2_SPLIT_NAMES:
+        return False
+    tokens, alphabet = reader.get("tokenizer.ggml.tokens"), set(byte_alphabet().values())
+    for key in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id"):
+        index = reader.get(f"tokenizer.ggml.{key}")
+        if isinstance(index, int) and 0 <= index < len(tokens) and not set(tokens[index]) <= alphabet:
+            return False
+    return True
 
 
 def _through_transformers(path: Path) -> Tokenizer | None:

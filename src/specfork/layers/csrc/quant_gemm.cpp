@@ -213,6 +213,7 @@ void tile_all_rows(const int16_t* xq, const int32_t* xqsum, const float* xscale,
 std::vector<torch::Tensor> pack_quantized(const torch::Tensor& q, const torch::Tensor& scale, const torch::Tensor& offset,
                                           int64_t format) {
   TORCH_CHECK(format == kQ4 || format == kQ8, "pack_quantized: format must be 4 or 8");
+  TORCH_CHECK(q.device().is_cpu() && q.element_size() == 1, "pack_quantized: q must be a CPU uint8/int8 tensor");
   TORCH_CHECK(q.dim() == 2 && scale.dim() == 2 && scale.size(1) > 0 && q.size(1) % scale.size(1) == 0,
               "pack_quantized: q must be [N, K] and scale [N, K / G]");
   const int64_t n = q.size(0), k = q.size(1), groups = scale.size(1);
