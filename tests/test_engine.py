@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specfork import LLM, SamplingParams
+from specfork import LLM, PromptError, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -97,5 +97,9 @@ def test_output_metrics_fields(tiny_dir):
 
 def test_sequence_reaching_max_model_len_finishes(tiny_dir):
     llm = LLM(tiny_dir, max_model_len=20)
-    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))[0]
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True))[0]
     assert len(out.token_ids) == 17 and out.finish_reason == "length"
+    # prompt + max_tokens beyond max_model_len is refused up front, naming both numbers
+    with pytest.raises(PromptError, match=r"3 tokens and max_tokens is 18.*max_model_len 20"):
+        llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=18))
+

@@ -107,6 +107,9 @@ class LLMEngine:
     def encode_chat(self, messages: list[dict]) -> list[int]:
         if self.tokenizer is None:
             raise PromptError("this model has no tokenizer, so it cannot apply a chat template")
+        empty = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("content") == ""]
+        if empty:
+            raise PromptError(f"chat message {empty[0]} is empty; every message needs content")
         ids = self.tokenizer.apply_chat_template(messages)
         self.check_prompt_ids(ids)
         return ids
@@ -126,6 +129,11 @@ class LLMEngine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         self.check_prompt_ids(prompt_ids)
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise PromptError(
+                f"the prompt has {len(prompt_ids)} tokens and max_tokens is {params.max_tokens}: "
+                f"{len(prompt_ids) + params.max_tokens} in all, beyond max_model_len {self.max_model_len}"
+            )
         seq_id = next(self._ids)
         gen = torch.Generator(device=self.device)
         gen.manual_seed(params.seed if params.seed is not None else self.config.seed * 1_000_003 + seq_id)
