@@ -15,10 +15,10 @@ from specfork.engine.block_manager import BlockManager
 from specfork.engine.model_runner import ModelRunner
 from specfork.engine.scheduler import Scheduler
 from specfork.engine.sequence import Sequence
-from specfork.engine.step import AutoregressiveStep, Step
+from specfork.engine.step import AutoregressiveStep, NewTokens, Step
 from specfork.errors import PromptError, SpecforkError
 from specfork.loading import LoadedModel, load_model
-from specfork.outputs import RequestOutput
+from specfork.outputs import RequestOutput, TokenLogprob
 from specfork.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -33,6 +33,7 @@ class StepUpdate:
     seq: Sequence
     new_token_ids: list[int]
     finished: bool
+    new_logprobs: list[TokenLogprob] | None = None
 
 
 class LLMEngine:
@@ -167,17 +168,21 @@ class LLMEngine:
             return []
         produced = self.step_strategy.execute(batch)
         now = time.perf_counter()
-        updates = []
-        for seq, tokens in produced.items():
-            accepted = self._append(seq, tokens)
-            self.step_strategy.committed(seq)
-            if seq.first_token_time is None and accepted:
-                seq.first_token_time = now
-            if seq.finish_reason is not None:
-                seq.finish_time = now
-                self.scheduler.finish(seq)
-            updates.append(StepUpdate(seq, accepted, seq.finish_reason is not None))
-        return updates
+        return [self._commit(seq, new, now) for seq, new in produced.items()]
+
+    def _commit(self, seq: Sequence, new: NewTokens, now: float) -> StepUpdate:
+        accepted = self._append(seq, new.ids)
+        logprobs = None
+        if seq.logprobs is not None and new.logprobs is not None:
+            logprobs = new.logprobs[: len(accepted)]
+            seq.logprobs.extend(logprobs)
+        self.step_strategy.committed(seq)
+        if seq.first_token_time is None and accepted:
+            seq.first_token_time = now
+        if seq.finish_reason is not None:
+            seq.finish_time = now
+            self.scheduler.finish(seq)
+        return StepUpdate(seq, accepted, seq.finish_reason is not None, logprobs)
 
     def _append(self, seq: Sequence, tokens: list[int]) -> list[int]:
         """Append tokens one by one, stopping at the first stop condition."""
@@ -217,6 +222,8 @@ class LLMEngine:
             text=self.visible_text(seq),
             finish_reason=seq.finish_reason or "abort",
             metrics=self.metrics(seq),
+            logprobs=None if seq.logprobs is None else list(seq.logprobs),
+            prompt_logprobs=None if seq.prompt_logprobs is None else list(seq.prompt_logprobs),
         )
 
     def metrics(self, seq: Sequence) -> dict:
