@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 
 from specfork.config import DEFAULT_MODEL, Config
-from specfork.engine.llm_engine import LLMEngine
+from specfork.engine.llm_engine import LLMEngine, StepUpdate
 from specfork.engine.text_stream import TextStream
 from specfork.errors import PromptError, SpecforkError
 from specfork.outputs import RequestOutput
@@ -85,7 +85,7 @@ class LLM:
         text = TextStream(engine, seq)
         try:
             while not seq.is_finished:
-                engine.step()
+                _raise_errors(engine.step())
                 piece = text.next_piece()
                 if piece:
                     yield piece
@@ -104,7 +104,7 @@ class LLM:
             progress = tqdm(total=len(seqs), desc="generating", unit="req")
         try:
             while any(not s.is_finished for s in seqs):
-                for update in engine.step():
+                for update in _raise_errors(engine.step()):
                     if update.finished and progress is not None:
                         progress.update(1)
         finally:
@@ -113,6 +113,15 @@ class LLM:
             if progress is not None:
                 progress.close()
         return [engine.output(s) for s in seqs]
+
+
+def _raise_errors(updates: list[StepUpdate]) -> list[StepUpdate]:
+    """Offline, a request the engine failed is an error for the caller (the server, instead,
+    fails that request alone)."""
+    for update in updates:
+        if update.error is not None:
+            raise RuntimeError(f"generation failed: {update.error} (the log has the cause)")
+    return updates
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

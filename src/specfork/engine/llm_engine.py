@@ -28,12 +28,16 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 @dataclass(slots=True)
 class StepUpdate:
-    """New tokens of one sequence after a step (``finished`` once it stopped)."""
+    """New tokens of one sequence after a step (``finished`` once it stopped).
+
+    ``error`` is set when the step failed for this sequence: it is then finished with
+    finish_reason "error" and its resources are freed; other sequences are not affected."""
 
     seq: Sequence
     new_token_ids: list[int]
     finished: bool
     new_logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
 
 
 class LLMEngine:
@@ -163,12 +167,29 @@ class LLMEngine:
     # ---- the loop ------------------------------------------------------------------------
 
     def step(self) -> list[StepUpdate]:
+        """Schedule, run and commit one batch.
+
+        A failure while running the batch fails the batch's requests (finish_reason "error",
+        resources freed); a failure while committing one sequence's tokens fails that sequence
+        only. Either way the engine stays consistent and the failures come back as updates
+        with ``error`` set (logged with their traceback)."""
         batch = self.scheduler.schedule(self.step_strategy.lookahead)
         if batch is None:
             return []
-        produced = self.step_strategy.execute(batch)
+        try:
+            produced = self.step_strategy.execute(batch)
+        except Exception:
+            logger.exception("running a batch of %d sequences failed; failing them", len(batch.seqs))
+            return [self._fail(seq, "the batch this request ran in failed") for seq in batch.seqs]
         now = time.perf_counter()
-        return [self._commit(seq, new, now) for seq, new in produced.items()]
+        updates = []
+        for seq, new in produced.items():
+            try:
+                updates.append(self._commit(seq, new, now))
+            except Exception:
+                logger.exception("committing the tokens of sequence %d failed; failing it", seq.seq_id)
+                updates.append(self._fail(seq, "committing this request's tokens failed"))
+        return updates
 
     def _commit(self, seq: Sequence, new: NewTokens, now: float) -> StepUpdate:
         accepted = self._append(seq, new.ids)
@@ -183,6 +204,13 @@ class LLMEngine:
             seq.finish_time = now
             self.scheduler.finish(seq)
         return StepUpdate(seq, accepted, seq.finish_reason is not None, logprobs)
+
+    def _fail(self, seq: Sequence, message: str) -> StepUpdate:
+        if not seq.is_finished:
+            seq.finish_reason = "error"
+            seq.finish_time = time.perf_counter()
+            self.scheduler.finish(seq)
+        return StepUpdate(seq, [], True, error=message)
 
     def _append(self, seq: Sequence, tokens: list[int]) -> list[int]:
         """Append tokens one by one, stopping at the first stop condition."""
