@@ -82,12 +82,23 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     x.add_argument("--draft-cores", default=None, help="CPU cores of the drafter process (default: the other half)")
     x.add_argument("--drafter-device", default=None,
                    help="the drafter's device (default: the next GPU on CUDA, else the CPU)")
-    x.add_argument("--drafter-timeout", type=float, default=60.0,
-                   help="seconds to wait for the drafter before continuing in-process (default: 60)")
+    x.add_argument("--drafter-timeout", type=_timeout_value, default=None,
+                   help="seconds to wait for the drafter before declaring it failed (requests continue "
+                   "in-process while it restarts), or auto: 10x the observed round time, 2 to 60 s "
+                   "(default: auto)")
     s.add_argument("--deterministic", action="store_true",
                    help="batch-invariant kernels: greedy SD output is bit-identical to AR output (slower)")
     g.add_argument("--seed", type=int, default=None,
                    help="sampling seed of every request (default: a per-request seed derived from 0)")
+
+
+def _timeout_value(text: str) -> float | None:
+    if text == "auto":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds or auto, got {text!r}") from None
 
 
 def _k_value(text: str) -> int | str:

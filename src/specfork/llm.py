@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sequence
 
 from specfork.config import DEFAULT_MODEL, Config
 from specfork.engine.llm_engine import LLMEngine, StepUpdate
+from specfork.engine.step import StepHealth
 from specfork.engine.text_stream import TextStream
 from specfork.errors import PromptError, SpecforkError
 from specfork.outputs import RequestOutput
@@ -42,6 +43,10 @@ class LLM:
     def close(self) -> None:
         """Stop helper processes (the SSD drafter). Also done at interpreter exit."""
         self.engine.close()
+
+    def health(self) -> StepHealth:
+        """Whether decoding runs as configured (an SSD drafter that failed: ``degraded``)."""
+        return self.engine.health()
 
     def __enter__(self) -> "LLM":
         return self

@@ -15,7 +15,7 @@ from specfork.engine.block_manager import BlockManager
 from specfork.engine.model_runner import ModelRunner
 from specfork.engine.scheduler import Scheduler
 from specfork.engine.sequence import Sequence
-from specfork.engine.step import AutoregressiveStep, NewTokens, Step
+from specfork.engine.step import AutoregressiveStep, NewTokens, Step, StepHealth
 from specfork.errors import PromptError, SpecforkError
 from specfork.loading import LoadedModel, load_model
 from specfork.outputs import RequestOutput, TokenLogprob
@@ -151,6 +151,11 @@ class LLMEngine:
         close = getattr(self.step_strategy, "close", None)
         if close is not None:
             close()
+
+    def health(self) -> StepHealth:
+        """How the decoding step's helpers are doing (an SSD drafter that failed: degraded)."""
+        health = getattr(self.step_strategy, "health", None)
+        return health() if health is not None else StepHealth()
 
     def abort(self, seq: Sequence) -> None:
         if not seq.is_finished:

@@ -25,6 +25,18 @@ class NewTokens:
     logprobs: list[TokenLogprob] | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class StepHealth:
+    """How a step's helpers are doing (today: the SSD drafter process).
+
+    ``degraded`` says why the step runs below its configured mode (None when it does not);
+    the counters only grow."""
+
+    degraded: str | None = None
+    drafter_failures: int = 0
+    drafter_restarts: int = 0
+
+
 class Step(Protocol):
     lookahead: int  # extra KV slots a decode step needs per sequence beyond the next token
 

@@ -12,7 +12,7 @@ from specfork.engine.logprobs import logprob_entries
 from specfork.engine.model_runner import ModelRunner
 from specfork.engine.scheduler import ScheduledBatch
 from specfork.engine.sequence import Sequence
-from specfork.engine.step import NewTokens, sample_new_tokens, sampling_tensors
+from specfork.engine.step import NewTokens, StepHealth, sample_new_tokens, sampling_tensors
 from specfork.layers.sampler import logits_to_probs
 from specfork.spec.auto_k import AutoK
 from specfork.spec.proposer import Proposal, Proposer
@@ -131,6 +131,11 @@ class SpeculativeStep:
         close = getattr(self.proposer, "close", None)
         if close is not None:
             close()
+
+    def health(self) -> StepHealth:
+        health = getattr(self.proposer, "health", None)
+        return health() if health is not None else StepHealth()
+
     def _budget(self, seq: Sequence, k: int) -> int:
         """Proposals worth verifying: never past max_tokens or the context length."""
         left = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq))
