@@ -46,7 +46,7 @@ class Tokenizer:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        if not self.has_chat_template:
+        if not self.has_chat_template():
             raise PromptError("this model has no chat template; pass raw prompts instead")
         _check_messages(messages)
         text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
