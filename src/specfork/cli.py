@@ -6,13 +6,16 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shlex
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from specfork.config import DEFAULT_MODEL
 from specfork.errors import SpecforkError
+from specfork.serve.server import DEFAULT_MAX_REQUEST_BYTES
 
 EXIT_BAD_INPUT = 2
 
@@ -207,7 +210,13 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the --model value)")
     p.add_argument("--graceful-timeout", type=float, default=30.0,
-                   help="seconds open requests may take to finish after SIGINT/SIGTERM (default: 30)")
+                   help="seconds open requests may take to finish after SIGINT/SIGTERM; then they end with "
+                   "finish_reason abort (default: 30)")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="larger request bodies are refused with 413 (default: %(default)s)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every /v1 route (401 otherwise); the "
+                   "environment variable SPECFORK_API_KEY sets it without showing it in the process list")
     _add_engine_args(p)
 
 
@@ -546,16 +555,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         host=args.host, port=args.port, max_queue=args.max_queue, served_model_name=args.served_model_name,
         graceful_timeout_s=args.graceful_timeout, log_level=args.log_level.lower(),
+        max_request_bytes=args.max_request_bytes, api_key=args.api_key or os.environ.get("SPECFORK_API_KEY") or None,
     )
     options = _engine_options(args)
     if args.seed is not None:
         options["seed"] = args.seed
     print(f"loading {args.model} ({args.mode}) ...", file=sys.stderr, flush=True)
-    serve(lambda: LLM(args.model, **options), args.model, settings,
-          on_ready=lambda url: print(f"specfork serving {args.model} at {url}/v1 (Ctrl-C to stop)",
-                                     file=sys.stderr, flush=True))
+    try:
+        serve(lambda: LLM(args.model, **options), args.model, settings,
+              on_ready=lambda url: print(f"specfork serving {args.model} at {url}/v1 (Ctrl-C to stop)",
+                                         file=sys.stderr, flush=True))
+    except KeyboardInterrupt:
+        print("specfork server stopped (interrupted)", file=sys.stderr)
+        _exit_now(130)
     print("specfork server stopped", file=sys.stderr)
-    return 0
+    _exit_now(0)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """End the process without the interpreter's teardown. The server has already stopped its
+    engine and drafter; unloading torch and the model's objects would take seconds more."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
