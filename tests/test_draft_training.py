@@ -130,6 +130,45 @@ def test_interrupted_training_resumes_to_the_same_weights(tiny_target, tmp_path)
         assert torch.equal(a, b), name
 
 
+def test_resume_loads_tensors_and_plain_data_only(tmp_path):
+    """A checkpoint that would run code when unpickled is refused, not loaded."""
+    from specfork.errors import SpecforkError
+    from specfork.training.data import Example
+    from specfork.training.trainer import DraftTrainer, TrainSettings
+
+    examples = [Example("test", f"e{i}", [1, 2, 3], [4, 5, 6]) for i in range(8)]
+    settings = TrainSettings(epochs=1.0, batch_tokens=64, max_seq_len=16)
+
+    def trainer():
+        return DraftTrainer(torch.nn.Linear(4, 4), examples, settings, tmp_path, pad_id=0, device=torch.device("cpu"))
+
+    first = trainer()
+    first.step = 3
+    first.save_checkpoint()
+    resumed = trainer()
+    assert resumed.try_resume() and resumed.step == 3  # our own checkpoints load
+    state = torch.load(tmp_path / "last.pt", weights_only=True)
+    state["history"] = [_Payload()]
+    torch.save(state, tmp_path / "last.pt")
+    _Payload.ran = False
+    with pytest.raises(SpecforkError, match="other than tensors and plain data"):
+        trainer().try_resume()
+    assert not _Payload.ran
+
+
+class _Payload:
+    """Unpickling this object would call ``_Payload.run``."""
+
+    ran = False
+
+    def __reduce__(self):
+        return (_payload_run, ())
+
+
+def _payload_run():
+    _Payload.ran = True
+
+
 def test_held_out_examples_are_a_fixed_share():
     from specfork.training.data import Example
 

@@ -99,5 +99,37 @@ def test_prompt_plus_max_tokens_must_fit_the_context(tiny_dir):
     llm = LLM(tiny_dir, max_model_len=20)
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True))[0]
     assert len(out.token_ids) == 17 and out.finish_reason == "length"
+    # prompt + max_tokens beyond max_model_len is refused up front, naming both numbers
     with pytest.raises(PromptError, match=r"prompt \(3 tokens\) plus max_tokens \(18\) is 21 tokens.*max_model_len 20"):
         llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=18))
+
+
+def test_a_failed_batch_fails_its_requests_and_leaves_the_engine_consistent(tiny_dir, monkeypatch):
+    llm = LLM(tiny_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    expected = llm.generate([[1, 2, 3]], params)[0].token_ids
+    step, engine = llm.engine.step_strategy, llm.engine
+    real, calls = step.execute, []
+
+    def execute_once_broken(batch):
+        calls.append(batch)
+        if len(calls) == 2:  # the first decode step
+            raise RuntimeError("boom")
+        return real(batch)
+
+    monkeypatch.setattr(step, "execute", execute_once_broken)
+    seq = engine.add_request([1, 2, 3], params)
+    updates = engine.step() + engine.step()  # prefill, then the failing decode
+    failed = [u for u in updates if u.error is not None]
+    assert [u.seq for u in failed] == [seq] and failed[0].finished
+    assert seq.is_finished and engine.output(seq).finish_reason == "error"
+    assert engine.block_manager.num_used_blocks == 0 and not engine.has_unfinished()
+
+    def always_broken(batch):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(step, "execute", always_broken)
+    with pytest.raises(RuntimeError, match="generation failed"):  # offline, a failure is an error
+        llm.generate([[1, 2, 3]], params)
+    monkeypatch.setattr(step, "execute", real)
+    assert llm.generate([[1, 2, 3]], params)[0].token_ids == expected

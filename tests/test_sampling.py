@@ -130,6 +130,29 @@ def test_invalid_sampling_params_raise_value_error(kwargs, field):
     assert issubclass(SpecforkError, ValueError)
 
 
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 10**30])
+def test_a_seed_torch_cannot_take_is_refused(seed):
+    """2**64 reached torch's manual_seed inside the server's engine loop and killed it."""
+    with pytest.raises(SpecforkError, match="seed"):
+        SamplingParams(seed=seed)
+
+
+def test_every_seed_in_range_seeds_a_generator():
+    for seed in (-(2**63), -1, 0, 2**63, 2**64 - 1):
+        torch.Generator().manual_seed(SamplingParams(seed=seed).seed)
+
+
+def test_choice_seeds_are_reproducible_distinct_and_in_range():
+    from specfork.sampling_params import SEED_MAX, choice_seed
+
+    for seed in (0, 7, -(2**63), 2**64 - 1):
+        seeds = [choice_seed(seed, i) for i in range(64)]
+        assert seeds[0] == seed and len(set(seeds)) == 64
+        assert seeds == [choice_seed(seed, i) for i in range(64)]
+        assert all(0 <= s <= SEED_MAX for s in seeds[1:])
+    assert choice_seed(7, 1) != choice_seed(8, 0) != choice_seed(8, 1)  # no overlap with the next seed
+
+
 def test_valid_sampling_params():
     p = SamplingParams(temperature=0.0, top_p=1.0, stop="x", max_tokens=1)
     assert p.greedy and p.stop == ("x",)

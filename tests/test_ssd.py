@@ -170,17 +170,19 @@ def test_killing_the_drafter_mid_generation_keeps_outputs_identical(pair, caplog
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     seqs = [engine.add_request(p, params) for p in PROMPTS]
+    process = proposer.process
     steps = 0
     with caplog.at_level("ERROR"):
         while any(not s.is_finished for s in seqs):
             engine.step()
             steps += 1
             if steps == 4:
-                proposer.process.kill()
+                process.kill()
     outputs = [engine.output(s).token_ids for s in seqs]
     assert outputs == expected
     assert proposer.failure is not None and "drafter" in caplog.text
-    assert proposer.process.poll() is not None  # reaped, not a zombie or orphan
+    assert proposer.failures == 1 and llm.health().degraded is not None
+    assert process.poll() is not None  # reaped, not a zombie or orphan
     llm.close()
 
 
@@ -191,15 +193,76 @@ def test_a_hung_drafter_times_out_and_generation_continues(pair):
     expected = _ar(pair["target"], PROMPTS[:1], 24)
     llm = LLM(pair["target"], mode="ssd", draft=pair["draft"], k=3, deterministic=True, drafter_timeout_s=1.0)
     proposer = llm.engine.step_strategy.proposer
-    os.kill(proposer.process.pid, signal.SIGSTOP)
+    process = proposer.process
+    os.kill(process.pid, signal.SIGSTOP)
     try:
         out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))[0]
     finally:
-        if proposer.process.poll() is None:
-            os.kill(proposer.process.pid, signal.SIGCONT)
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGCONT)
     assert out.token_ids == expected[0]
-    assert "did not answer" in proposer.failure
-    assert proposer.process.poll() is not None
+    assert "did not answer within 1.0 s" in proposer.failure
+    assert process.poll() is not None
+    llm.close()
+
+
+def test_the_default_drafter_deadline_follows_the_observed_rounds():
+    from specfork.spec.ssd.deadline import CAP_S, FLOOR_S, DrafterDeadline
+
+    fixed = DrafterDeadline(7.5)
+    fixed.observe(100.0, 1)
+    assert fixed.timeout(10_000) == 7.5
+    auto = DrafterDeadline()
+    assert auto.timeout(8) == CAP_S  # nothing observed yet: the first round may prefill anything
+    auto.observe(0.02, 8)  # answers of 20 ms
+    assert auto.timeout(8) == FLOOR_S  # 10 * (0.02 + 8 * 1 ms) = 0.28 s, raised to the floor
+    assert auto.timeout(1000) == pytest.approx(10 * (0.02 + 1000 * 1e-3))  # a prompt: the rate guess
+    auto.observe(2.0, 1000)  # a 1000-token round took 2 s: 2 ms per token
+    assert auto.timeout(1000) == pytest.approx(10 * (0.02 + 1000 * 2e-3))
+    auto.observe(0.5, 8)  # slower answers raise it (the slowest of the recent rounds counts)
+    assert auto.timeout(8) == pytest.approx(10 * (0.5 + 8 * 2e-3))
+    assert auto.timeout(10**6) == CAP_S
+
+
+def test_a_hung_drafter_costs_one_short_timeout_and_is_restarted(pair, caplog):
+    """SIGSTOP the drafter with the default (adaptive) deadline: one round waits about the 2 s
+    floor (not a minute), generation goes on in-process with unchanged output, health says
+    degraded, and a new drafter process takes over after the backoff."""
+    import signal
+    import time
+
+    expected = _ar(pair["target"], PROMPTS[:2], 40)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    with LLM(pair["target"], mode="ssd", draft=pair["draft"], k=3, deterministic=True) as llm:
+        proposer, engine = llm.engine.step_strategy.proposer, llm.engine
+        llm.generate(PROMPTS[2:], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # rounds observed
+        hung = proposer.process
+        os.kill(hung.pid, signal.SIGSTOP)
+        try:
+            seqs = [engine.add_request(p, params) for p in PROMPTS[:2]]
+            slowest = 0.0
+            with caplog.at_level("ERROR"):
+                while any(not s.is_finished for s in seqs):
+                    started = time.monotonic()
+                    engine.step()
+                    slowest = max(slowest, time.monotonic() - started)
+        finally:
+            if hung.poll() is None:
+                os.kill(hung.pid, signal.SIGCONT)
+        assert [engine.output(s).token_ids for s in seqs] == expected
+        assert 1.5 < slowest < 10, slowest  # the 2 s floor, far from the old fixed 60 s
+        assert "did not answer" in proposer.failure and hung.poll() is not None
+        health = llm.health()
+        assert health.degraded is not None and "drafter" in health.degraded and health.drafter_failures == 1
+        deadline = time.monotonic() + 60  # backoff (2 s) + the new process loading its draft
+        while proposer.restarts == 0 and time.monotonic() < deadline:
+            llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+            time.sleep(0.05)
+        assert proposer.restarts == 1 and proposer.process.pid != hung.pid
+        out = llm.generate(PROMPTS[:2], params)
+        assert [o.token_ids for o in out] == expected
+        assert all(o.metrics["ssd_requests"] > 0 for o in out)  # served by the new drafter again
+        assert llm.health().degraded is None
 
 
 def test_close_stops_the_drafter_process(pair):

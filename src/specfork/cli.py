@@ -6,13 +6,16 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shlex
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from specfork.config import DEFAULT_MODEL
 from specfork.errors import PromptError, SpecforkError
+from specfork.serve.server import DEFAULT_MAX_REQUEST_BYTES
 
 EXIT_BAD_INPUT = 2
 DEMO_PROMPT = "Write a Python function that checks whether a number is prime."
@@ -90,12 +93,23 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     x.add_argument("--draft-cores", default=None, help="CPU cores of the drafter process (default: the other half)")
     x.add_argument("--drafter-device", default=None,
                    help="the drafter's device (default: the next GPU on CUDA, else the CPU)")
-    x.add_argument("--drafter-timeout", type=float, default=60.0,
-                   help="seconds to wait for the drafter before continuing in-process (default: 60)")
+    x.add_argument("--drafter-timeout", type=_timeout_value, default=None,
+                   help="seconds to wait for the drafter before declaring it failed (requests continue "
+                   "in-process while it restarts), or auto: 10x the observed round time, 2 to 60 s "
+                   "(default: auto)")
     s.add_argument("--deterministic", action="store_true",
                    help="batch-invariant kernels: greedy SD output is bit-identical to AR output (slower)")
     g.add_argument("--seed", type=int, default=None,
                    help="sampling seed of every request (default: a per-request seed derived from 0)")
+
+
+def _timeout_value(text: str) -> float | None:
+    if text == "auto":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds or auto, got {text!r}") from None
 
 
 def _k_value(text: str) -> int | str:
@@ -220,7 +234,13 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the --model value)")
     p.add_argument("--graceful-timeout", type=float, default=30.0,
-                   help="seconds open requests may take to finish after SIGINT/SIGTERM (default: 30)")
+                   help="seconds open requests may take to finish after SIGINT/SIGTERM; then they end with "
+                   "finish_reason abort (default: 30)")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="larger request bodies are refused with 413 (default: %(default)s)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every /v1 route (401 otherwise); the "
+                   "environment variable SPECFORK_API_KEY sets it without showing it in the process list")
     _add_engine_args(p)
 
 
@@ -609,16 +629,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         host=args.host, port=args.port, max_queue=args.max_queue, served_model_name=args.served_model_name,
         graceful_timeout_s=args.graceful_timeout, log_level=args.log_level.lower(),
+        max_request_bytes=args.max_request_bytes, api_key=args.api_key or os.environ.get("SPECFORK_API_KEY") or None,
     )
     options = _engine_options(args)
     if args.seed is not None:
         options["seed"] = args.seed
     print(f"loading {args.model} ({args.mode}) ...", file=sys.stderr, flush=True)
-    serve(lambda: LLM(args.model, **options), args.model, settings,
-          on_ready=lambda url: print(f"specfork serving {args.model} at {url}/v1 (Ctrl-C to stop)",
-                                     file=sys.stderr, flush=True))
+    try:
+        serve(lambda: LLM(args.model, **options), args.model, settings,
+              on_ready=lambda url: print(f"specfork serving {args.model} at {url}/v1 (Ctrl-C to stop)",
+                                         file=sys.stderr, flush=True))
+    except KeyboardInterrupt:
+        print("specfork server stopped (interrupted)", file=sys.stderr)
+        _exit_now(130)
     print("specfork server stopped", file=sys.stderr)
-    return 0
+    _exit_now(0)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """End the process without the interpreter's teardown. The server has already stopped its
+    engine and drafter; unloading torch and the model's objects would take seconds more."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:

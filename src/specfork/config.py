@@ -45,7 +45,9 @@ class Config:
     drafter_device: the SSD drafter's device (default: the next GPU on CUDA, the CPU otherwise).
     target_cores / draft_cores: CPU core ids ("0", "0-3") for the two SSD processes; by default
         the available cores are split in two halves.
-    drafter_timeout_s: an SSD drafter that does not answer within this is replaced in-process.
+    drafter_timeout_s: an SSD drafter that does not answer within this many seconds is declared
+        failed (requests go on in-process while it restarts); None (default) follows the observed
+        round times instead (``spec/ssd/deadline.py``: 10x the expected answer, 2 to 60 s).
     deterministic: batch-invariant kernels, so that speculative greedy output is bit-identical
         to AR greedy output (the default fast mode may differ at numerical near-ties).
     weights: "native" runs a GGUF's Q4_0/Q4_1/Q8_0 matrices in their quantised form (native
@@ -81,7 +83,7 @@ class Config:
     drafter_device: str | None = None
     target_cores: str | None = None
     draft_cores: str | None = None
-    drafter_timeout_s: float = 60.0
+    drafter_timeout_s: float | None = None
     weights: str = "native"
     quantize: str | None = None
     quantize_group: int = 32
@@ -143,8 +145,11 @@ class Config:
         for name in ("target_cores", "draft_cores"):
             if getattr(self, name) is not None:
                 parse_cores(getattr(self, name), name)
-        if not isinstance(self.drafter_timeout_s, (int, float)) or not self.drafter_timeout_s > 0:
-            raise SpecforkError(f"drafter_timeout_s must be > 0, got {self.drafter_timeout_s!r}")
+        if self.drafter_timeout_s is not None and (
+            not isinstance(self.drafter_timeout_s, (int, float)) or isinstance(self.drafter_timeout_s, bool)
+            or not self.drafter_timeout_s > 0
+        ):
+            raise SpecforkError(f"drafter_timeout_s must be > 0 or None (adaptive), got {self.drafter_timeout_s!r}")
         if self.weights not in WEIGHTS:
             raise SpecforkError(f"weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
         if self.quantize is not None and self.quantize not in QUANTIZE:

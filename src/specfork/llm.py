@@ -6,7 +6,8 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 
 from specfork.config import DEFAULT_MODEL, Config
-from specfork.engine.llm_engine import LLMEngine
+from specfork.engine.llm_engine import LLMEngine, StepUpdate
+from specfork.engine.step import StepHealth
 from specfork.engine.text_stream import TextStream
 from specfork.errors import PromptError, SpecforkError
 from specfork.outputs import RequestOutput
@@ -42,6 +43,10 @@ class LLM:
     def close(self) -> None:
         """Stop helper processes (the SSD drafter). Also done at interpreter exit."""
         self.engine.close()
+
+    def health(self) -> StepHealth:
+        """Whether decoding runs as configured (an SSD drafter that failed: ``degraded``)."""
+        return self.engine.health()
 
     def __enter__(self) -> "LLM":
         return self
@@ -85,7 +90,7 @@ class LLM:
         text = TextStream(engine, seq)
         try:
             while not seq.is_finished:
-                engine.step()
+                _raise_errors(engine.step())
                 piece = text.next_piece()
                 if piece:
                     yield piece
@@ -109,7 +114,7 @@ class LLM:
         unfinished = {s.seq_id: s for s in seqs if not s.is_finished}
         try:
             while unfinished:
-                updates = engine.step()
+                updates = _raise_errors(engine.step())
                 done = [u.seq for u in updates if u.finished] if updates else list(unfinished.values())
                 for seq in done:
                     if seq.is_finished and unfinished.pop(seq.seq_id, None) is not None and progress is not None:
@@ -120,6 +125,15 @@ class LLM:
             if progress is not None:
                 progress.close()
         return [engine.output(s) for s in seqs]
+
+
+def _raise_errors(updates: list[StepUpdate]) -> list[StepUpdate]:
+    """Offline, a request the engine failed is an error for the caller (the server, instead,
+    fails that request alone)."""
+    for update in updates:
+        if update.error is not None:
+            raise RuntimeError(f"generation failed: {update.error} (the log has the cause)")
+    return updates
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

@@ -5,16 +5,33 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """The target model's log-probability of one token at its position, and the ``top`` most
+    likely tokens there (best first). Log-probabilities are the log-softmax of the model's raw
+    logits: the model's own distribution, before temperature, top-k or top-p."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class RequestOutput:
-    """token_ids are the generated tokens only (EOS included when it ended the request)."""
+    """token_ids are the generated tokens only (EOS included when it ended the request).
+
+    ``logprobs`` (when the request asked for them) has one entry per generated token;
+    ``prompt_logprobs`` one per prompt token from the second on (the first has no context).
+    """
 
     request_id: int
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str  # "stop" (EOS, stop token or stop string) or "length"
+    finish_reason: str  # "stop" (EOS, stop token or stop string), "length", "abort" or "error"
     metrics: dict = field(default_factory=dict)
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 def aggregate_metrics(outputs: list[RequestOutput]) -> dict:

@@ -6,6 +6,11 @@ from dataclasses import dataclass, field
 
 from specfork.errors import SpecforkError
 
+# The seeds a torch.Generator accepts: any 64-bit pattern, written signed or unsigned.
+SEED_MIN = -(2**63)
+SEED_MAX = 2**64 - 1
+MAX_LOGPROBS = 20  # most alternatives reported per position (as OpenAI's top_logprobs)
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -13,6 +18,11 @@ class SamplingParams:
 
     temperature == 0 means greedy decoding; top_k == 0 and top_p == 1.0 disable those filters.
     A request with ``seed`` set produces the same tokens whatever else shares its batch.
+
+    ``logprobs`` (None: off) asks for the target model's log-probability of every generated
+    token plus that many most likely alternatives per position; ``prompt_logprobs`` the same for
+    the prompt's tokens (from the second on). Both are of the model's own distribution (the
+    log-softmax of its logits, before temperature, top-k or top-p), in every decoding mode.
     """
 
     temperature: float = 1.0
@@ -23,6 +33,8 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -37,8 +49,16 @@ class SamplingParams:
             raise SpecforkError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise SpecforkError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise SpecforkError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool) or not SEED_MIN <= self.seed <= SEED_MAX
+        ):
+            raise SpecforkError(f"seed must be None or an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS
+            ):
+                raise SpecforkError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise SpecforkError(f"stop must be non-empty strings, got {self.stop!r}")
         if any(t < 0 for t in self.stop_token_ids):
@@ -47,3 +67,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of the ``index``-th of several samples drawn for one request with ``seed``: the
+    seed itself for the first, a 64-bit mix of (seed, index) for the others (splitmix64), so the
+    samples are reproducible and independent of one another."""
+    if index == 0:
+        return seed
+    z = (seed + index * 0x9E3779B97F4A7C15) & 0xFFFF_FFFF_FFFF_FFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFF_FFFF_FFFF_FFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFF_FFFF_FFFF_FFFF
+    return z ^ (z >> 31)

@@ -15,10 +15,10 @@ from specfork.engine.block_manager import BlockManager
 from specfork.engine.model_runner import ModelRunner
 from specfork.engine.scheduler import Scheduler
 from specfork.engine.sequence import Sequence
-from specfork.engine.step import AutoregressiveStep, Step
+from specfork.engine.step import AutoregressiveStep, NewTokens, Step, StepHealth
 from specfork.errors import PromptError, SpecforkError
 from specfork.loading import LoadedModel, load_model
-from specfork.outputs import RequestOutput
+from specfork.outputs import RequestOutput, TokenLogprob
 from specfork.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -28,11 +28,16 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 @dataclass(slots=True)
 class StepUpdate:
-    """New tokens of one sequence after a step (``finished`` once it stopped)."""
+    """New tokens of one sequence after a step (``finished`` once it stopped).
+
+    ``error`` is set when the step failed for this sequence: it is then finished with
+    finish_reason "error" and its resources are freed; other sequences are not affected."""
 
     seq: Sequence
     new_token_ids: list[int]
     finished: bool
+    new_logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
 
 
 class LLMEngine:
@@ -150,6 +155,11 @@ class LLMEngine:
         if close is not None:
             close()
 
+    def health(self) -> StepHealth:
+        """How the decoding step's helpers are doing (an SSD drafter that failed: degraded)."""
+        health = getattr(self.step_strategy, "health", None)
+        return health() if health is not None else StepHealth()
+
     def abort(self, seq: Sequence) -> None:
         if not seq.is_finished:
             seq.finish_reason = "abort"
@@ -165,22 +175,50 @@ class LLMEngine:
     # ---- the loop ------------------------------------------------------------------------
 
     def step(self) -> list[StepUpdate]:
+        """Schedule, run and commit one batch.
+
+        A failure while running the batch fails the batch's requests (finish_reason "error",
+        resources freed); a failure while committing one sequence's tokens fails that sequence
+        only. Either way the engine stays consistent and the failures come back as updates
+        with ``error`` set (logged with their traceback)."""
         batch = self.scheduler.schedule(self.step_strategy.lookahead)
         if batch is None:
             return []
-        produced = self.step_strategy.execute(batch)
+        try:
+            produced = self.step_strategy.execute(batch)
+        except Exception:
+            logger.exception("running a batch of %d sequences failed; failing them", len(batch.seqs))
+            return [self._fail(seq, "the batch this request ran in failed") for seq in batch.seqs]
         now = time.perf_counter()
         updates = []
-        for seq, tokens in produced.items():
-            accepted = self._append(seq, tokens)
-            self.step_strategy.committed(seq)
-            if seq.first_token_time is None and accepted:
-                seq.first_token_time = now
-            if seq.finish_reason is not None:
-                seq.finish_time = now
-                self.scheduler.finish(seq)
-            updates.append(StepUpdate(seq, accepted, seq.finish_reason is not None))
+        for seq, new in produced.items():
+            try:
+                updates.append(self._commit(seq, new, now))
+            except Exception:
+                logger.exception("committing the tokens of sequence %d failed; failing it", seq.seq_id)
+                updates.append(self._fail(seq, "committing this request's tokens failed"))
         return updates
+
+    def _commit(self, seq: Sequence, new: NewTokens, now: float) -> StepUpdate:
+        accepted = self._append(seq, new.ids)
+        logprobs = None
+        if seq.logprobs is not None and new.logprobs is not None:
+            logprobs = new.logprobs[: len(accepted)]
+            seq.logprobs.extend(logprobs)
+        self.step_strategy.committed(seq)
+        if seq.first_token_time is None and accepted:
+            seq.first_token_time = now
+        if seq.finish_reason is not None:
+            seq.finish_time = now
+            self.scheduler.finish(seq)
+        return StepUpdate(seq, accepted, seq.finish_reason is not None, logprobs)
+
+    def _fail(self, seq: Sequence, message: str) -> StepUpdate:
+        if not seq.is_finished:
+            seq.finish_reason = "error"
+            seq.finish_time = time.perf_counter()
+            self.scheduler.finish(seq)
+        return StepUpdate(seq, [], True, error=message)
 
     def _append(self, seq: Sequence, tokens: list[int]) -> list[int]:
         """Append tokens one by one, stopping at the first stop condition."""
@@ -220,6 +258,8 @@ class LLMEngine:
             text=self.visible_text(seq),
             finish_reason=seq.finish_reason or "abort",
             metrics=self.metrics(seq),
+            logprobs=None if seq.logprobs is None else list(seq.logprobs),
+            prompt_logprobs=None if seq.prompt_logprobs is None else list(seq.prompt_logprobs),
         )
 
     def metrics(self, seq: Sequence) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from specfork.engine.logprobs import record_prompt_logprobs
 from specfork.engine.scheduler import ScheduledBatch
 from specfork.layers.attention import AttentionMetadata
 from specfork.layers.cpu_kernels import kernels as native_kernels
@@ -150,12 +151,17 @@ class ModelRunner:
         invariant = self.deterministic and decode
         ids, pos, meta = self.prepare(seqs, starts, token_lists, attn_mask, invariant, decode, layout)
         hidden = self.model(ids, pos, self.kv_caches, meta)
-        if len(logits_rows) != hidden.shape[0]:
-            hidden = hidden.index_select(0, torch.tensor(logits_rows, dtype=torch.long, device=self.device))
+        return self._logits(hidden, logits_rows)
+
+    def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        if len(rows) != hidden.shape[0]:
+            hidden = hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=self.device))
         return self.model.compute_logits(hidden)
 
+    @torch.inference_mode()
     def run_batch(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Compute the scheduled tokens; logits [n_sampling_seqs, V] of the sequences that sample."""
+        """Compute the scheduled tokens; logits [n_sampling_seqs, V] of the sequences that sample.
+        A prefill also records the prompt log-probabilities of the sequences that asked for them."""
         starts = [s.num_cached_tokens for s in batch.seqs]
         tokens = [s.token_ids[st : st + n] for s, st, n in zip(batch.seqs, starts, batch.num_new_tokens, strict=True)]
         rows, offset = [], 0
@@ -163,7 +169,12 @@ class ModelRunner:
             offset += n
             if samples:
                 rows.append(offset - 1)
-        logits = self.forward(batch.seqs, starts, tokens, rows, decode=not batch.is_prefill)
+        decode = not batch.is_prefill
+        ids, pos, meta = self.prepare(batch.seqs, starts, tokens, None, self.deterministic and decode, decode)
+        hidden = self.model(ids, pos, self.kv_caches, meta)
+        if batch.is_prefill and any(s.params.prompt_logprobs is not None for s in batch.seqs):
+            record_prompt_logprobs(self.model.compute_logits, hidden, batch.seqs, starts, batch.num_new_tokens)
+        logits = self._logits(hidden, rows)
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_cached_tokens += n
         return logits

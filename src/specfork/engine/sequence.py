@@ -7,6 +7,7 @@ from enum import Enum
 
 import torch
 
+from specfork.outputs import TokenLogprob
 from specfork.sampling_params import SamplingParams
 
 
@@ -36,6 +37,9 @@ class Sequence:
         self.num_cached_tokens = 0
         self.finish_reason: str | None = None
         self.num_preemptions = 0
+        # Log-probabilities of the output tokens / of prompt tokens 1.. (None unless requested).
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[TokenLogprob] | None = None
         # Step-specific counters (e.g. speculation); values with ``as_metrics()`` reach the output.
         self.stats: dict = {}
         self.arrival_time = time.perf_counter()

@@ -1,219 +1,244 @@
 """The OpenAI-compatible HTTP API over one shared :class:`EngineLoop`.
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streaming with SSE and
-``data: [DONE]``, or not), GET /health, GET /metrics (Prometheus text).
+``data: [DONE]``, or not), GET /health, GET /metrics (Prometheus text). With an API key, every
+/v1 route wants ``Authorization: Bearer <key>``.
+
+The event loop only moves bytes: bodies are read with a size limit, and parsing, validation,
+templating and tokenizing run on worker threads (``preprocess``), as does formatting a large
+response.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from specfork.errors import SpecforkError
 from specfork.outputs import RequestOutput
-from specfork.sampling_params import SamplingParams
 from specfork.serve.engine_loop import (
+    Admitted,
     EngineLoop,
     EngineStopped,
+    Event,
     Failed,
     Finished,
     Piece,
     QueueFull,
-    RequestHandle,
+    RequestGroup,
 )
 from specfork.serve.metrics import ServerMetrics
-from specfork.serve.protocol import (
-    ApiError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    GenerationRequest,
-    parse_request,
-)
+from specfork.serve.preprocess import Job, prepare_chat, prepare_completion
+from specfork.serve.protocol import ApiError
+from specfork.serve.responses import ChunkMaker, TokenNames, response_body
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_COMPLETION_MAX_TOKENS = 16  # as the OpenAI completions API
 DISCONNECT_POLL_S = 0.5
+RETRY_AFTER_S = "1"
 
 
-def build_app(loop: EngineLoop, metrics: ServerMetrics, served_model_name: str) -> FastAPI:
+@dataclass(frozen=True, slots=True)
+class AppOptions:
+    served_model_name: str
+    max_request_bytes: int
+    api_key: str | None = None
+
+
+class AsciiJSONResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped: any Python string encodes, even one holding
+    a lone surrogate a client sent."""
+
+    def render(self, content: object) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    headers = dict(error.headers or {})
+    if error.status == 413:
+        headers["Connection"] = "close"  # the rest of the body is never read
+    return AsciiJSONResponse(error.body(), status_code=error.status, headers=headers or None)
+
+
+def build_app(loop: EngineLoop, metrics: ServerMetrics, options: AppOptions) -> FastAPI:
     """``loop`` must be started; the app shuts it down when the server stops."""
-    llm = loop.llm
-    engine = llm.engine
+    engine = loop.llm.engine
+    names = TokenNames(engine.tokenizer)
+    served = options.served_model_name
     created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         yield
-        # uvicorn has stopped taking requests and waited for open ones (its graceful timeout);
-        # what is still running is cancelled and the engine (and any drafter process) stops.
+        # uvicorn has stopped taking requests and waited for open ones (see server.py: the loop
+        # cut what still ran at the end of the grace period); now the engine and drafter stop.
         await asyncio.to_thread(loop.shutdown)
 
-    app = FastAPI(title="specfork", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="specfork", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, error: ApiError) -> JSONResponse:
         metrics.request_failed(error.status)
-        return JSONResponse(error.body(), status_code=error.status)
+        return error_response(error)
 
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, error: Exception) -> JSONResponse:
-        logger.exception("unexpected error")
+        logger.error("unexpected error", exc_info=error)
         metrics.request_failed(500)
-        return JSONResponse(
-            ApiError(500, f"internal error: {type(error).__name__}: {error}", kind="server_error").body(),
-            status_code=500,
-        )
+        # The details stay in the log: a reply never shows internal exception text.
+        return error_response(ApiError(500, "internal server error", kind="server_error"))
+
+    async def authorize(request: Request) -> None:
+        if options.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, key = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), options.api_key.encode()):
+            raise ApiError(401, "missing or incorrect API key (send Authorization: Bearer <key>)",
+                           code="invalid_api_key")
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if not loop.alive:
-            return JSONResponse({"status": "stopping"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        state, why = loop.state
+        body = {"status": state} if why is None else {"status": state, "reason": why}
+        return AsciiJSONResponse(body, status_code=503 if state in ("stopping", "failed") else 200)
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
-        return PlainTextResponse(metrics.render(loop.snapshot, loop.num_active),
+        return PlainTextResponse(metrics.render(loop.snapshot, loop.num_active, loop.state[0]),
                                  media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
+
+    @v1.get("/models")
     async def models() -> JSONResponse:
         return JSONResponse({"object": "list", "data": [{
-            "id": served_model_name, "object": "model", "created": created, "owned_by": "specfork",
+            "id": served, "object": "model", "created": created, "owned_by": "specfork",
             "max_model_len": engine.max_model_len, "vocab_size": engine.loaded.arch.vocab_size,
         }]})
 
-    @app.post("/v1/completions")
+    async def generate(request: Request, prepare, prefix: str) -> Response | dict:
+        raw = await read_body(request, options.max_request_bytes)
+        job: Job = await asyncio.to_thread(prepare, raw, engine, served)
+        group = await admit(loop, job)
+        rid, now = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
+        if job.body.stream:
+            chunks = ChunkMaker(job, rid, now, served, names)
+            return sse(stream(loop, group, job, chunks, metrics))
+        outputs = await wait_all(loop, group, request, metrics)
+        return AsciiJSONResponse(await asyncio.to_thread(response_body, job, rid, now, served, outputs, names))
+
+    @v1.post("/completions")
     async def completions(request: Request):
-        body = parse_request(CompletionRequest, await _json_body(request))
-        _check_model(body.model, served_model_name)
-        try:
-            prompt_ids = engine.encode_prompt(body.prompt)
-        except SpecforkError as e:
-            raise ApiError(400, str(e), param="prompt") from None
-        params = _sampling_params(body, body.max_tokens, len(prompt_ids), engine.max_model_len,
-                                  DEFAULT_COMPLETION_MAX_TOKENS, "max_tokens")
-        handle = _submit(loop, prompt_ids, params)
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        if body.stream:
-            return _sse(_stream_chunks(loop, handle, rid, served_model_name, body, len(prompt_ids), chat=False))
-        output = await _wait(loop, handle, request)
-        return {
-            "id": rid, "object": "text_completion", "created": int(time.time()), "model": served_model_name,
-            "choices": [{"index": 0, "text": output.text, "logprobs": None, "finish_reason": output.finish_reason,
-                         **_token_ids(body, output.token_ids)}],
-            "usage": _usage(len(prompt_ids), output),
-        }
+        return await generate(request, prepare_completion, "cmpl")
 
-    @app.post("/v1/chat/completions")
+    @v1.post("/chat/completions")
     async def chat_completions(request: Request):
-        body = parse_request(ChatCompletionRequest, await _json_body(request))
-        _check_model(body.model, served_model_name)
-        try:
-            prompt_ids = engine.encode_chat([m.as_template_message() for m in body.messages])
-        except SpecforkError as e:
-            raise ApiError(400, str(e), param="messages") from None
-        limit_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        params = _sampling_params(body, body.token_limit, len(prompt_ids), engine.max_model_len, None, limit_name)
-        handle = _submit(loop, prompt_ids, params)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        if body.stream:
-            return _sse(_stream_chunks(loop, handle, rid, served_model_name, body, len(prompt_ids), chat=True))
-        output = await _wait(loop, handle, request)
-        return {
-            "id": rid, "object": "chat.completion", "created": int(time.time()), "model": served_model_name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": output.text},
-                         "logprobs": None, "finish_reason": output.finish_reason,
-                         **_token_ids(body, output.token_ids)}],
-            "usage": _usage(len(prompt_ids), output),
-        }
+        return await generate(request, prepare_chat, "chatcmpl")
 
+    app.include_router(v1)
     return app
 
 
 # ---- request handling -----------------------------------------------------------------------------
 
 
-async def _json_body(request: Request) -> object:
-    raw = await request.body()
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to exceed ``limit`` bytes: from its
+    Content-Length before reading anything, else while it streams in."""
+    declared = request.headers.get("content-length")
+    too_large = ApiError(413, f"the request body exceeds this server's limit of {limit} bytes (--max-request-bytes)",
+                         code="request_too_large")
+    if declared is not None:
+        try:
+            if int(declared) > limit:
+                raise too_large
+        except ValueError:
+            raise ApiError(400, "Content-Length is not a number") from None
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise too_large
+        parts.append(part)
+    return b"".join(parts)
+
+
+async def admit(loop: EngineLoop, job: Job) -> RequestGroup:
+    """Submit the request and wait until the engine took every choice, so that a request it
+    refuses gets its 400 before any stream starts."""
     try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-
-
-def _check_model(name: str, served: str) -> None:
-    if name != served:
-        raise ApiError(400, f"the model '{name}' does not exist; this server serves '{served}'",
-                       param="model", code="model_not_found")
-
-
-def _sampling_params(body: GenerationRequest, max_tokens: int | None, prompt_len: int, max_model_len: int,
-                     default: int | None, limit_name: str) -> SamplingParams:
-    room = max_model_len - prompt_len
-    if max_tokens is not None and max_tokens > room:
-        raise ApiError(
-            400,
-            f"this model's maximum context length is {max_model_len} tokens; the prompt has {prompt_len} "
-            f"and {limit_name} asks for {max_tokens} more ({prompt_len + max_tokens} in all)",
-            param=limit_name,
-        )
-    if max_tokens is None:
-        max_tokens = room if default is None else min(default, room)
-    try:
-        return SamplingParams(
-            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, max_tokens=max_tokens,
-            seed=body.seed, stop=body.stops, ignore_eos=body.ignore_eos,
-        )
-    except SpecforkError as e:
-        raise ApiError(400, str(e)) from None
-
-
-def _submit(loop: EngineLoop, prompt_ids: list[int], params: SamplingParams) -> RequestHandle:
-    try:
-        return loop.submit(prompt_ids, params)
+        group = loop.submit(job.prompt_ids, job.params)
     except QueueFull as e:
-        raise ApiError(503, str(e), kind="server_overloaded", code="queue_full") from None
+        if len(job.params) > loop.max_active:
+            raise ApiError(400, f"n = {len(job.params)} exceeds what this server can run at once "
+                           f"({loop.max_active})", param="n") from None
+        raise ApiError(503, str(e), kind="server_overloaded", code="queue_full",
+                       headers={"Retry-After": RETRY_AFTER_S}) from None
     except EngineStopped as e:
-        raise ApiError(503, str(e), kind="server_error", code="shutting_down") from None
-
-
-async def _wait(loop: EngineLoop, handle: RequestHandle, request: Request) -> RequestOutput:
-    """The finished output; cancels the request if the client disconnects first."""
+        raise ApiError(503, str(e), kind="server_error", code="unavailable",
+                       headers={"Retry-After": RETRY_AFTER_S}) from None
+    admitted, early = 0, []
     try:
-        while True:
+        while admitted < len(group.handles):
+            index, event = await group.events.get()
+            if isinstance(event, Admitted):
+                admitted += 1
+            elif isinstance(event, Failed):
+                raise _api_error(event)
+            else:
+                early.append((index, event))
+    except BaseException:
+        loop.abort(group)
+        raise
+    for item in early:  # (never expected: every Admitted is sent before any output)
+        group.events.put_nowait(item)
+    return group
+
+
+def _api_error(event: Failed) -> ApiError:
+    if event.status == 400:
+        return ApiError(400, event.message)
+    headers = {"Retry-After": RETRY_AFTER_S} if event.status == 503 else None
+    return ApiError(event.status, event.message, kind="server_error", headers=headers)
+
+
+async def wait_all(loop: EngineLoop, group: RequestGroup, request: Request,
+                   metrics: ServerMetrics) -> list[RequestOutput]:
+    """Every choice's finished output; cancels the request if the client disconnects first."""
+    outputs: dict[int, RequestOutput] = {}
+    try:
+        while len(outputs) < len(group.handles):
             try:
-                event = await asyncio.wait_for(handle.events.get(), DISCONNECT_POLL_S)
+                index, event = await asyncio.wait_for(group.events.get(), DISCONNECT_POLL_S)
             except TimeoutError:
                 if await request.is_disconnected():
+                    metrics.client_disconnected()
                     raise ApiError(499, "the client disconnected") from None
                 continue
-            if isinstance(event, Finished):
-                return event.output
             if isinstance(event, Failed):
-                raise ApiError(500, event.message, kind="server_error")
+                raise _api_error(event)
+            if isinstance(event, Finished):
+                if event.output.finish_reason == "abort":
+                    raise ApiError(503, "the server is shutting down; the request was cancelled before it "
+                                   "finished", kind="server_error", code="shutting_down",
+                                   headers={"Retry-After": RETRY_AFTER_S})
+                outputs[index] = event.output
     finally:
-        loop.abort(handle)
+        loop.abort(group)
+    return [outputs[i] for i in range(len(group.handles))]
 
 
-def _token_ids(body: GenerationRequest, token_ids: list[int]) -> dict:
-    return {"token_ids": list(token_ids)} if body.return_token_ids else {}
-
-
-def _usage(prompt_len: int, output: RequestOutput) -> dict:
-    n = len(output.token_ids)
-    return {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n}
-
-
-def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
     async def encode() -> AsyncIterator[str]:
         async for chunk in chunks:
             yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
@@ -223,51 +248,53 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _events(loop: EngineLoop, handle: RequestHandle) -> AsyncIterator[Piece | Finished | Failed]:
-    """The request's events up to the last; the request is cancelled if the consumer stops early
-    (a client that disconnects mid-stream)."""
+async def events(loop: EngineLoop, group: RequestGroup, metrics: ServerMetrics) -> AsyncIterator[tuple[int, Event]]:
+    """The group's events until every choice ended (or one failed). If the consumer stops
+    early (the client went away mid-stream) the request is cancelled and counted."""
+    ended, complete = 0, False
     try:
-        while True:
-            event = await handle.events.get()
-            yield event
-            if not isinstance(event, Piece):
+        while ended < len(group.handles):
+            index, event = await group.events.get()
+            if isinstance(event, Failed):
+                complete = True
+                yield index, event
                 return
+            ended += isinstance(event, Finished)
+            complete = ended == len(group.handles)
+            yield index, event
     finally:
-        loop.abort(handle)
+        if not complete:
+            metrics.client_disconnected()
+        loop.abort(group)
 
 
-def _error_chunk(event: Failed) -> dict:
-    return ApiError(500, event.message, kind="server_error").body()
-
-
-async def _stream_chunks(loop: EngineLoop, handle: RequestHandle, rid: str, model: str,
-                         body: GenerationRequest, prompt_len: int, *, chat: bool) -> AsyncIterator[dict]:
-    """SSE payloads of one request: ``text_completion`` chunks carrying ``text``, or (chat)
-    ``chat.completion.chunk`` chunks carrying a ``delta``, opened by the assistant role."""
-    created = int(time.time())
-    kind = "chat.completion.chunk" if chat else "text_completion"
-
-    def chunk(text: str | None, finish_reason: str | None, token_ids: list[int] | None = None) -> dict:
-        if chat:
-            content = {"delta": {} if text is None else {"content": text}}
-        else:
-            content = {"text": text or ""}
-        return {"id": rid, "object": kind, "created": created, "model": model,
-                "choices": [{"index": 0, **content, "logprobs": None, "finish_reason": finish_reason,
-                             **_token_ids(body, token_ids or [])}]}
-
-    if chat:
-        opening = chunk("", None)
-        opening["choices"][0]["delta"]["role"] = "assistant"
-        yield opening
-    async for event in _events(loop, handle):
-        if isinstance(event, Piece):
-            if event.text or body.return_token_ids:
-                yield chunk(event.text, None, event.token_ids)
-        elif isinstance(event, Finished):
-            yield chunk(None, event.output.finish_reason)
-            if body.stream_options is not None and body.stream_options.include_usage:
-                yield {"id": rid, "object": kind, "created": created, "model": model,
-                       "choices": [], "usage": _usage(prompt_len, event.output)}
-        else:
-            yield _error_chunk(event)
+async def stream(loop: EngineLoop, group: RequestGroup, job: Job, chunks: ChunkMaker,
+                 metrics: ServerMetrics) -> AsyncIterator[dict]:
+    """The SSE payloads of one request: per choice an opening (chat), the echoed prompt
+    (completions with echo), its pieces and a final chunk with its finish_reason ("abort" when
+    the server cut it at shutdown); then the usage chunk if asked for."""
+    n = len(group.handles)
+    for index in range(n):
+        opening = chunks.opening(index)
+        if opening is not None:
+            yield opening
+    echoed = [job.echo_text is None] * n
+    finished: dict[int, RequestOutput] = {}
+    async with aclosing(events(loop, group, metrics)) as incoming:
+        async for index, event in incoming:
+            if isinstance(event, Failed):
+                yield _api_error(event).body()
+                return
+            if not echoed[index] and isinstance(event, Piece | Finished):
+                echoed[index] = True
+                prompt = event.prompt_logprobs if isinstance(event, Piece) else event.output.prompt_logprobs
+                yield chunks.echo(index, prompt)
+            if isinstance(event, Piece):
+                if event.text or (event.token_ids and (job.body.return_token_ids or event.logprobs is not None)):
+                    yield chunks.piece(index, event.text, event.token_ids, event.logprobs)
+            elif isinstance(event, Finished):
+                finished[index] = event.output
+                yield chunks.choice(index, None, finish_reason=event.output.finish_reason)
+    options = job.body.stream_options
+    if options is not None and options.include_usage and len(finished) == n:
+        yield chunks.usage([finished[i] for i in range(n)])

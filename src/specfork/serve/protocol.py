@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from specfork.sampling_params import MAX_LOGPROBS
+
+MAX_CHOICES = 128  # n, as the OpenAI API
 
 
 class ApiError(Exception):
     """An error answered as an OpenAI-style body: {"error": {message, type, param, code}}."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.kind = kind
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -28,13 +33,21 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def _valid_unicode(text: str) -> str:
+    """JSON may carry lone UTF-16 surrogates ("\\ud800"), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"text must be valid Unicode; it holds a lone surrogate at character {e.start}") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+
 # Fields of the OpenAI API that specfork does not implement: accepted at their neutral value,
 # refused with a clear message otherwise (silently ignoring them would change what users get).
 _NEUTRAL = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "best_of": (None, 1),
-    "echo": (None, False),
     "suffix": (None, ""),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
@@ -54,8 +67,8 @@ class GenerationRequest(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, description="keep the k most likely tokens (extension; 0 = off)")
     seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = 1
+    stop: Text | list[Text] | None = None
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="keep generating after EOS (extension, as in vLLM)")
@@ -64,13 +77,13 @@ class GenerationRequest(BaseModel):
 
     @model_validator(mode="after")
     def _supported(self):
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (specfork returns one choice per request), got {self.n}")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if len(stops) > 4 or any(not s for s in stops):
             raise ValueError("stop must be up to 4 non-empty strings")
         for name, neutral in _NEUTRAL.items():
             value = (self.model_extra or {}).get(name)
+            if name == "best_of" and value == self.n:
+                continue
             if value not in neutral:
                 raise ValueError(f"'{name}' is not supported by this server")
         return self
@@ -81,7 +94,13 @@ class GenerationRequest(BaseModel):
 
 
 class CompletionRequest(GenerationRequest):
-    prompt: str | list[int] | list[str]
+    prompt: Text | list[int] | list[Text]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
     @model_validator(mode="after")
     def _one_prompt(self):
@@ -98,13 +117,13 @@ class CompletionRequest(GenerationRequest):
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: Text | list[TextPart]
 
     def as_template_message(self) -> dict:
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
@@ -114,6 +133,18 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def token_limit(self) -> int | None:
@@ -139,5 +170,8 @@ def parse_request(model: type[BaseModel], body: object) -> BaseModel:
 
 
 def _short(value: object, limit: int = 80) -> str:
-    text = repr(value)
+    try:
+        text = repr(value)
+    except RecursionError:
+        return "a deeply nested value"
     return text if len(text) <= limit else text[: limit - 3] + "..."

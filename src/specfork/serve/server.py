@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 import signal
 import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from specfork.errors import SpecforkError
-from specfork.llm import LLM
+
+if TYPE_CHECKING:
+    from specfork.llm import LLM
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_REQUEST_BYTES = 2 * 1024 * 1024
+DRAIN_MARGIN_S = 10.0  # uvicorn's own deadline, past ours: cut streams have time to send their end
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +31,8 @@ class ServerSettings:
     served_model_name: str | None = None
     graceful_timeout_s: float = 30.0
     log_level: str = "warning"
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    api_key: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -32,6 +41,24 @@ class ServerSettings:
             raise SpecforkError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.graceful_timeout_s < 0:
             raise SpecforkError(f"graceful_timeout_s must be >= 0, got {self.graceful_timeout_s}")
+        if self.max_request_bytes < 1:
+            raise SpecforkError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
+        if self.api_key is not None and not self.api_key:
+            raise SpecforkError("api_key must not be empty (leave it unset to serve without a key)")
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """A warning when the server listens beyond this machine and anyone may call it."""
+    if api_key is not None:
+        return None
+    try:
+        local = ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        local = host == "localhost"
+    if local:
+        return None
+    return (f"listening on {host} without an API key: anyone who can reach this address can use the model; "
+            "set --api-key or SPECFORK_API_KEY")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -55,19 +82,32 @@ def serve(make_llm: Callable[[], LLM], model_name: str, settings: ServerSettings
     """Blocks until the server stops. ``on_ready`` receives the base URL once requests are taken."""
     import uvicorn
 
-    from specfork.serve.app import build_app
+    from specfork.serve.app import AppOptions, build_app
     from specfork.serve.engine_loop import EngineLoop
     from specfork.serve.metrics import ServerMetrics
 
+    warning = exposure_warning(settings.host, settings.api_key)
+    if warning is not None:
+        logger.warning(warning)
     sock = bind(settings.host, settings.port)
     metrics = ServerMetrics()
     loop = EngineLoop(make_llm, max_queue=settings.max_queue, on_finished=metrics.request_finished)
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            # Refuse new requests at once and cut what still runs when the grace period ends,
+            # so every stream sends its final chunk before uvicorn's own (later) deadline.
+            loop.drain(settings.graceful_timeout_s)
+            await super().shutdown(sockets)
+
     try:
         loop.start()
-        app = build_app(loop, metrics, settings.served_model_name or model_name)
-        config = uvicorn.Config(app, log_level=settings.log_level, timeout_graceful_shutdown=settings.graceful_timeout_s,
-                                access_log=False)
-        server = uvicorn.Server(config)
+        options = AppOptions(served_model_name=settings.served_model_name or model_name,
+                             max_request_bytes=settings.max_request_bytes, api_key=settings.api_key)
+        app = build_app(loop, metrics, options)
+        config = uvicorn.Config(app, log_level=settings.log_level, access_log=False,
+                                timeout_graceful_shutdown=settings.graceful_timeout_s + DRAIN_MARGIN_S)
+        server = Server(config)
         host, port = sock.getsockname()[:2]
         url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
         if on_ready is not None:

@@ -65,13 +65,18 @@ def build_ssd_step(engine: LLMEngine) -> SpeculativeStep:
     target_cores, drafter_cores = _split_cores(config)
     previous = (os.sched_getaffinity(0), torch.get_num_threads())
 
-    def restore_cores() -> None:
-        os.sched_setaffinity(0, previous[0])
-        torch.set_num_threads(previous[1])
+    def pin_target(on: bool) -> None:
+        """The target on its own cores while a drafter process runs on the others; on all of
+        them again while none does."""
+        if engine.device.type != "cpu" or target_cores is None:
+            return
+        if on:
+            os.sched_setaffinity(0, target_cores)
+            torch.set_num_threads(config.threads or len(target_cores))
+        else:
+            os.sched_setaffinity(0, previous[0])
+            torch.set_num_threads(previous[1])
 
-    if engine.device.type == "cpu" and target_cores is not None:
-        os.sched_setaffinity(0, target_cores)
-        torch.set_num_threads(config.threads or len(target_cores))
     drafter_device = config.drafter_device
     if drafter_device is None:
         if engine.device.type == "cuda" and torch.cuda.device_count() > 1:
@@ -121,7 +126,7 @@ def build_ssd_step(engine: LLMEngine) -> SpeculativeStep:
         vocab_size=target.arch.vocab_size,
         timeout_s=config.drafter_timeout_s,
         fallback=in_process_fallback,
-        on_close=restore_cores,
+        pin_target=pin_target,
     )
     return SpeculativeStep(engine.runner, proposer, k=config.k, max_model_len=engine.max_model_len)
 

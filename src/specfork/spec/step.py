@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specfork.engine.logprobs import logprob_entries
 from specfork.engine.model_runner import ModelRunner
 from specfork.engine.scheduler import ScheduledBatch
 from specfork.engine.sequence import Sequence
-from specfork.engine.step import sample_tokens, sampling_tensors
+from specfork.engine.step import NewTokens, StepHealth, sample_new_tokens, sampling_tensors
 from specfork.layers.sampler import logits_to_probs
 from specfork.spec.auto_k import AutoK
 from specfork.spec.proposer import Proposal, Proposer
@@ -83,11 +84,11 @@ class SpeculativeStep:
         self.max_model_len = max_model_len
         self.totals = SpecTotals()
 
-    def execute(self, batch: ScheduledBatch) -> dict[Sequence, list[int]]:
+    def execute(self, batch: ScheduledBatch) -> dict[Sequence, NewTokens]:
         if batch.is_prefill:
             logits = self.target.run_batch(batch)
             sampling = [s for s, samples in zip(batch.seqs, batch.samples, strict=True) if samples]
-            return {s: [t] for s, t in zip(sampling, sample_tokens(logits, sampling), strict=True)}
+            return sample_new_tokens(logits, sampling) if sampling else {}
         seqs = batch.seqs
         k = self.auto_k.k_for_round() if self.auto_k is not None else self.k
         budgets = [self._budget(s, k) for s in seqs]
@@ -96,20 +97,25 @@ class SpeculativeStep:
         t1 = time.perf_counter()
         logits = self._score(seqs, proposal)
         t2 = time.perf_counter()
-        results = self._verify(seqs, proposal, logits)
+        results, spans = self._verify(seqs, proposal, logits)
         draft_s, target_s = t1 - t0, t2 - t1
         self.totals.rounds += 1
         self.totals.draft_time_s += draft_s
         self.totals.target_time_s += target_s
         out = {}
-        for seq, props, result in zip(seqs, proposal.tokens, results, strict=True):
+        for seq, props, result, (first, _) in zip(seqs, proposal.tokens, results, spans, strict=True):
             # The last committed token and the accepted proposals are now in the target cache.
             seq.num_cached_tokens += 1 + result.num_accepted
             stats = seq.stats.setdefault("spec", SpecStats())
             stats.record(len(props), result.num_accepted, draft_s, target_s)
             if self.auto_k is not None:
                 self.auto_k.observe(len(props), result.num_accepted)
-            out[seq] = result.tokens
+            logprobs = None
+            if seq.params.logprobs is not None:
+                # Row first + j of the verify pass is the target's distribution for token j.
+                rows = logits[first : first + len(result.tokens)]
+                logprobs = logprob_entries(rows, result.tokens, seq.params.logprobs)
+            out[seq] = NewTokens(result.tokens, logprobs)
         if self.auto_k is not None:
             self.auto_k.end_round()
         return out
@@ -125,6 +131,10 @@ class SpeculativeStep:
         close = getattr(self.proposer, "close", None)
         if close is not None:
             close()
+
+    def health(self) -> StepHealth:
+        health = getattr(self.proposer, "health", None)
+        return health() if health is not None else StepHealth()
 
     def _budget(self, seq: Sequence, k: int) -> int:
         """Proposals worth verifying: never past max_tokens or the context length."""
@@ -162,4 +172,4 @@ class SpeculativeStep:
             q = None if proposal.probs is None else proposal.probs[i, : len(props)]
             proposed = torch.tensor(props, dtype=torch.long, device=logits.device)
             results.append(verify_sampled(target_probs[i], proposed, q, seq.generator))
-        return results
+        return results, spans

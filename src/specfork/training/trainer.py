@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import math
+import pickle
 import random
 import shutil
 import time
@@ -206,7 +207,14 @@ class DraftTrainer:
         path = self.checkpoint_dir / "last.pt"
         if not path.exists():
             return False
-        state = torch.load(path, map_location=self.device, weights_only=False)
+        try:
+            # Tensors and plain data only: unpickling arbitrary objects could run any code.
+            state = torch.load(path, map_location=self.device, weights_only=True)
+        except pickle.UnpicklingError:
+            raise SpecforkError(
+                f"{path} holds objects other than tensors and plain data; it is not loaded (a checkpoint "
+                "written by this trainer never does), remove it or use another --work-dir"
+            ) from None
         if state["settings"] != asdict(self.settings):
             raise SpecforkError(
                 f"{path} was written with other training settings; use the same settings to resume, or another --work-dir"

@@ -5,34 +5,37 @@ Each round it sends, per sequence, the tokens committed since its last request (
 the new ``rec``) and the number of drafts accepted, and waits for the speculation. The drafter
 pre-drafts the next round while the target verifies this one.
 
-If the drafter dies, fails to start or does not answer within ``timeout_s``, the error is
-logged once, the process is killed, and every request continues with the in-process fallback
-(SD with the same draft, or AR if even that cannot load): greedy outputs are unchanged, since
-every speculative mode reproduces AR.
+If the drafter dies, fails to start or does not answer in time (``deadline``: a fixed timeout,
+or by default one that follows the observed rounds), the error is logged, the process is
+killed, and every request continues with the in-process fallback (SD with the same draft, or AR
+if even that cannot load): outputs are unaffected, since every speculative mode reproduces AR's
+distribution. Meanwhile a new drafter process is started in the background, after a backoff
+that doubles with each failure in a row; once it reports ready, sequences go back to it.
+``health()`` says ``degraded`` while no drafter serves.
 """
 
 from __future__ import annotations
 
 import logging
-import socket
-import subprocess
-import sys
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 
 import torch
 
 from specfork.engine.sequence import Sequence
+from specfork.engine.step import StepHealth
 from specfork.spec.proposer import Proposal, Proposer
+from specfork.spec.ssd.deadline import DrafterDeadline
 from specfork.spec.ssd.drafter import SpecRequest
+from specfork.spec.ssd.transport import DrafterError, DrafterProcess
 from specfork.spec.ssd.worker import DrafterLaunch
 
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 300.0
+RESTART_BACKOFF_S = 2.0  # before the first restart; doubles with each failure in a row
+MAX_BACKOFF_S = 60.0
 
 
 @dataclass
@@ -84,71 +87,62 @@ class SSDProposer:
         launch: DrafterLaunch,
         *,
         vocab_size: int,
-        timeout_s: float,
+        timeout_s: float | None,
         fallback: Callable[[], Proposer],
-        on_close: Callable[[], None] | None = None,
+        pin_target: Callable[[bool], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``on_close`` runs once when the proposer is closed (e.g. to give the target its cores
-        back)."""
+        """``timeout_s``: a fixed drafter timeout, or None to follow the observed rounds.
+        ``pin_target(True)`` keeps the target on its own cores while a drafter runs on the others;
+        ``pin_target(False)`` gives it every core back (drafter down, or closed)."""
+        self.launch = launch
         self.vocab_size = vocab_size
-        self.timeout_s = timeout_s
+        self.deadline = DrafterDeadline(timeout_s)
         self._make_fallback = fallback
-        self._on_close = on_close
+        self._pin_target = pin_target
+        self._pinned = False
+        self._clock = clock
         self.fallback: Proposer | None = None
-        self.failure: str | None = None
+        self.failure: str | None = None  # the last failure
+        self.failures = 0
+        self.restarts = 0
+        self._failures_in_a_row = 0
+        self._restart_at: float | None = None
+        self._starting: DrafterProcess | None = None
+        self._starting_until = 0.0
+        self._live: dict[int, Sequence] = {}  # sequences proposed for and not released
         self._sent: dict[int, int] = {}  # tokens of each sequence the drafter has been told
         self._accepted: dict[int, int | None] = {}
         self._released: list[int] = []
-        # A fresh interpreter (not fork: the parent's OpenMP pools do not survive a fork; not
-        # multiprocessing's spawn: that re-imports the user's __main__) talking over a socket pair.
-        parent_sock, child_sock = socket.socketpair()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "specfork.spec.ssd.worker", str(child_sock.fileno())],
-            pass_fds=(child_sock.fileno(),),
-        )
-        child_sock.close()
-        self.conn = Connection(parent_sock.detach())
-        # Whatever happens to this object, the process does not outlive it.
-        self._finalizer = weakref.finalize(self, _kill, self.process)
-        self._send(launch)
-        reply = self._receive(STARTUP_TIMEOUT_S)
-        if reply is None:
-            return
-        if reply[0] != "ready":
-            self._fail(f"the drafter process could not start: {reply[1]}")
+        self._pin(True)
+        self.drafter: DrafterProcess | None = DrafterProcess(launch)
+        self.process = self.drafter.process  # of the newest drafter (tests and diagnostics)
+        try:
+            if self.drafter.ready(STARTUP_TIMEOUT_S) is None:
+                raise DrafterError(f"it did not start within {STARTUP_TIMEOUT_S:.0f} s")
+        except DrafterError as e:
+            self._fail(f"the drafter process could not start: {e}")
 
     # -- Proposer -------------------------------------------------------------------------
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
-        if self.fallback is None:
-            requests = [
-                SpecRequest(
-                    seq_id=s.seq_id,
-                    new_tokens=s.token_ids[self._sent.get(s.seq_id, 0) :],
-                    num_accepted=self._accepted.get(s.seq_id),
-                    params=s.params,
-                    num_tokens=n,
-                )
-                for s, n in zip(seqs, num_tokens, strict=True)
-            ]
-            released, self._released = self._released, []
-            started = time.perf_counter()
-            if self._send(("spec", requests, released)):
-                reply = self._receive(self.timeout_s)
-                if reply is not None:
-                    for s in seqs:
-                        self._sent[s.seq_id] = len(s.token_ids)
-                    waited = time.perf_counter() - started
-                    return self._proposal(seqs, num_tokens, reply[1], reply[2], waited)
-        return self.fallback.propose(seqs, num_tokens)
+        for s in seqs:
+            self._live[s.seq_id] = s
+        if self.drafter is None:
+            self._restart_if_due()
+        if self.drafter is not None:
+            proposal = self._ask(seqs, num_tokens)
+            if proposal is not None:
+                return proposal
+        return self._fallback_proposer().propose(seqs, num_tokens)
 
     def accepted(self, seq: Sequence) -> None:
         sent = self._sent.get(seq.seq_id)
-        if sent is not None:
+        if sent is not None and self.drafter is not None:
             n = len(seq.token_ids) - sent - 1
             self._accepted[seq.seq_id] = n
             stats = seq.stats.get("ssd")
-            if stats is not None and self.fallback is None:
+            if stats is not None:
                 if stats.last_hit:
                     stats.hit_rounds += 1
                     stats.hit_emitted += n + 1
@@ -162,8 +156,106 @@ class SSDProposer:
         if self._sent.pop(seq.seq_id, None) is not None:
             self._released.append(seq.seq_id)
         self._accepted.pop(seq.seq_id, None)
+        self._live.pop(seq.seq_id, None)
         if self.fallback is not None:
             self.fallback.release(seq)
+
+    def health(self) -> StepHealth:
+        degraded = None
+        if self.drafter is None:
+            degraded = f"SSD drafter down ({self.failure}); drafting in-process while it restarts"
+        return StepHealth(degraded=degraded, drafter_failures=self.failures, drafter_restarts=self.restarts)
+
+    # -- the drafter ------------------------------------------------------------------------
+
+    def _ask(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal | None:
+        """This round's proposal from the drafter, or None if it failed now."""
+        requests = [
+            SpecRequest(
+                seq_id=s.seq_id,
+                new_tokens=s.token_ids[self._sent.get(s.seq_id, 0) :],
+                num_accepted=self._accepted.get(s.seq_id),
+                params=s.params,
+                num_tokens=n,
+            )
+            for s, n in zip(seqs, num_tokens, strict=True)
+        ]
+        released, self._released = self._released, []
+        sending = sum(len(r.new_tokens) for r in requests)
+        timeout = self.deadline.timeout(sending)
+        started = time.perf_counter()
+        try:
+            reply = self.drafter.request(("spec", requests, released), timeout)
+        except DrafterError as e:
+            self._fail(str(e))
+            return None
+        waited = time.perf_counter() - started
+        self.deadline.observe(waited, sending)
+        self._failures_in_a_row = 0
+        for s in seqs:
+            self._sent[s.seq_id] = len(s.token_ids)
+        return self._proposal(seqs, num_tokens, reply[1], reply[2], waited)
+
+    def _fail(self, reason: str) -> None:
+        """The drafter failed: kill it, go on in-process, and schedule a restart."""
+        self.failure = reason
+        self.failures += 1
+        self._failures_in_a_row += 1
+        if self.drafter is not None:
+            self.drafter.close()
+            self.drafter = None
+        self._sent.clear()
+        self._accepted.clear()
+        self._released.clear()
+        self._pin(False)  # the drafter's cores are free meanwhile
+        backoff = min(MAX_BACKOFF_S, RESTART_BACKOFF_S * 2 ** (self._failures_in_a_row - 1))
+        self._restart_at = self._clock() + backoff
+        logger.error("SSD: %s; continuing in-process (generations are not affected); restarting the drafter "
+                     "in %.0f s", reason, backoff)
+
+    def _restart_if_due(self) -> None:
+        """Start a new drafter once the backoff has passed, and switch to it once it is ready
+        (checked without waiting, once per round)."""
+        now = self._clock()
+        if self._starting is None:
+            if self._restart_at is None or now < self._restart_at:
+                return
+            self._pin(True)
+            self._starting = DrafterProcess(self.launch)
+            self._starting_until = now + STARTUP_TIMEOUT_S
+            self.process = self._starting.process
+        try:
+            info = self._starting.ready(0)
+            if info is None and now > self._starting_until:
+                raise DrafterError(f"the restarted drafter did not start within {STARTUP_TIMEOUT_S:.0f} s")
+        except DrafterError as e:
+            self._starting.close()
+            self._starting = None
+            self._fail(str(e))
+            return
+        if info is None:
+            return
+        self.drafter, self._starting = self._starting, None
+        self.restarts += 1
+        if self.fallback is not None:  # the new drafter serves every sequence afresh
+            for seq in self._live.values():
+                self.fallback.release(seq)
+        logger.warning("SSD: drafter process restarted (pid %d) after %d failure(s)", self.drafter.pid,
+                       self._failures_in_a_row)
+
+    def _fallback_proposer(self) -> Proposer:
+        if self.fallback is None:
+            try:
+                self.fallback = self._make_fallback()
+            except Exception as e:  # even the in-process draft cannot load: AR
+                logger.error("SSD: in-process fallback draft unavailable (%s); continuing with AR", e)
+                self.fallback = NoProposals()
+        return self.fallback
+
+    def _pin(self, on: bool) -> None:
+        if self._pin_target is not None and on != self._pinned:
+            self._pin_target(on)
+        self._pinned = on
 
     # -- transport ------------------------------------------------------------------------
 
@@ -186,64 +278,12 @@ class SSDProposer:
             stats.wait_s += waited
         return Proposal(tokens, probs)
 
-    def _send(self, message) -> bool:
-        if self.conn.closed:
-            return False
-        try:
-            self.conn.send(message)
-            return True
-        except (OSError, ValueError) as e:
-            self._fail(f"the drafter process is gone ({type(e).__name__}: {e})")
-            return False
-
-    def _receive(self, timeout: float):
-        try:
-            if self.conn.poll(timeout):
-                return self.conn.recv()
-            self._fail(f"the drafter process did not answer within {timeout:.0f} s")
-        except (EOFError, OSError) as e:
-            self._fail(f"the drafter process is gone ({type(e).__name__}: {e})")
-        except Exception as e:  # an undecodable reply: treat the drafter as broken
-            self._fail(f"unreadable reply from the drafter process ({type(e).__name__}: {e})")
-        return None
-
-    def _fail(self, reason: str) -> None:
-        self.failure = reason
-        logger.error("SSD: %s; continuing in-process (generations are not affected)", reason)
-        self._stop(kill=True)
-        if self._on_close is not None:  # the drafter's cores are free again
-            on_close, self._on_close = self._on_close, None
-            on_close()
-        try:
-            self.fallback = self._make_fallback()
-        except Exception as e:  # even the in-process draft cannot load: AR
-            logger.error("SSD: in-process fallback draft unavailable (%s); continuing with AR", e)
-            self.fallback = NoProposals()
-
-    def _stop(self, kill: bool) -> None:
-        if self.process.poll() is None:
-            if not kill:
-                try:
-                    self.conn.send(("exit",))
-                    self.process.wait(timeout=5)
-                except (OSError, ValueError, subprocess.TimeoutExpired):
-                    pass
-            _kill(self.process)
-        self.conn.close()
-
     def close(self) -> None:
-        """Stop the drafter process (idempotent)."""
-        if not self.conn.closed:
-            self._stop(kill=False)
-        if self._on_close is not None:
-            on_close, self._on_close = self._on_close, None
-            on_close()
-
-
-def _kill(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.kill()
-    try:
-        process.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        logger.error("SSD: drafter process %d did not exit after SIGKILL", process.pid)
+        """Stop the drafter process (and one being started); idempotent."""
+        if self.drafter is not None:
+            self.drafter.close()
+        if self._starting is not None:
+            self._starting.close()
+            self._starting = None
+        self._restart_at = None
+        self._pin(False)

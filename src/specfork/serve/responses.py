@@ -1,0 +1,136 @@
+"""OpenAI response bodies and stream chunks built from engine outputs: choices, usage and
+log-probabilities in the completions and chat formats."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from specfork.outputs import RequestOutput, TokenLogprob
+from specfork.serve.preprocess import Job
+
+
+class TokenNames:
+    """Token ids as the strings clients see (``token_id:N`` for a model without a tokenizer)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def __call__(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def completion_logprobs(names: TokenNames, entries: Sequence[TokenLogprob | None], offset: int = 0) -> dict:
+    """The completions API's ``logprobs`` object. An entry of None (the first prompt token under
+    ``echo``) has no log-probability. ``top_logprobs`` holds the alternatives plus the chosen token."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for entry, token_id in entries:
+        name = names(token_id)
+        tokens.append(name)
+        offsets.append(offset)
+        offset += len(name)
+        if entry is None:
+            token_logprobs.append(None)
+            top.append(None)
+            continue
+        token_logprobs.append(entry.logprob)
+        alternatives = {names(t): lp for t, lp in entry.top}
+        alternatives.setdefault(name, entry.logprob)
+        top.append(alternatives)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def chat_logprobs(names: TokenNames, entries: Sequence[TokenLogprob]) -> dict:
+    """The chat API's ``logprobs`` object: one item per token with its top alternatives."""
+
+    def item(token_id: int, logprob: float) -> dict:
+        name = names(token_id)
+        return {"token": name, "logprob": logprob, "bytes": list(name.encode("utf-8"))}
+
+    content = [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]
+    return {"content": content, "refusal": None}
+
+
+def output_logprobs(names: TokenNames, job: Job, entries: Sequence[TokenLogprob] | None,
+                    prompt: Sequence[TokenLogprob] | None = None, offset: int = 0) -> dict | None:
+    """The ``logprobs`` of one choice (or of one stream chunk); None when not asked for."""
+    if entries is None:
+        return None
+    if job.chat:
+        return chat_logprobs(names, entries)
+    pairs = [(e, e.token_id) for e in entries]
+    if prompt is not None:
+        pairs = [(None, job.prompt_ids[0])] + [(e, e.token_id) for e in prompt] + pairs
+    return completion_logprobs(names, pairs, offset)
+
+
+def usage(prompt_len: int, outputs: Sequence[RequestOutput]) -> dict:
+    n = sum(len(o.token_ids) for o in outputs)
+    return {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n}
+
+
+def response_body(job: Job, rid: str, created: int, model: str, outputs: list[RequestOutput],
+                  names: TokenNames) -> dict:
+    """The whole (non-streamed) response, one choice per output in index order."""
+    choices = []
+    for index, output in enumerate(outputs):
+        extra = {"token_ids": list(output.token_ids)} if job.body.return_token_ids else {}
+        if job.chat:
+            choice = {"index": index, "message": {"role": "assistant", "content": output.text}}
+        else:
+            choice = {"index": index, "text": (job.echo_text or "") + output.text}
+        prompt = output.prompt_logprobs if job.echo_text is not None else None
+        choice["logprobs"] = output_logprobs(names, job, output.logprobs, prompt)
+        choices.append({**choice, "finish_reason": output.finish_reason, **extra})
+    kind = "chat.completion" if job.chat else "text_completion"
+    return {"id": rid, "object": kind, "created": created, "model": model, "choices": choices,
+            "usage": usage(len(job.prompt_ids), outputs)}
+
+
+class ChunkMaker:
+    """Stream chunks of one response: ``text_completion`` chunks carrying ``text``, or
+    ``chat.completion.chunk`` chunks carrying a ``delta``."""
+
+    def __init__(self, job: Job, rid: str, created: int, model: str, names: TokenNames) -> None:
+        self.job, self.names = job, names
+        self.offsets = [0] * len(job.params)  # completions: text offset reached by each choice
+        self.head = {"id": rid, "object": "chat.completion.chunk" if job.chat else "text_completion",
+                     "created": created, "model": model}
+
+    def opening(self, index: int) -> dict | None:
+        """The first chunk of a choice: the assistant role (chat) or the echoed prompt."""
+        if self.job.chat:
+            return self.choice(index, "", role="assistant")
+        return None
+
+    def echo(self, index: int, prompt_logprobs: Sequence[TokenLogprob] | None) -> dict:
+        logprobs = None
+        if self.job.body.logprobs is not None:
+            logprobs = self._advance(index, output_logprobs(self.names, self.job, [], prompt_logprobs or []))
+        return self.choice(index, self.job.echo_text or "", logprobs=logprobs)
+
+    def choice(self, index: int, text: str | None, *, finish_reason: str | None = None,
+               token_ids: list[int] | None = None, logprobs: dict | None = None, role: str | None = None) -> dict:
+        if self.job.chat:
+            delta = {} if text is None else {"content": text}
+            if role is not None:
+                delta = {"role": role, **delta}
+            content = {"delta": delta}
+        else:
+            content = {"text": text or ""}
+        extra = {"token_ids": list(token_ids or [])} if self.job.body.return_token_ids else {}
+        return {**self.head, "choices": [{"index": index, **content, "logprobs": logprobs,
+                                          "finish_reason": finish_reason, **extra}]}
+
+    def piece(self, index: int, text: str, token_ids: list[int], logprobs: Sequence[TokenLogprob] | None) -> dict:
+        formatted = output_logprobs(self.names, self.job, logprobs, offset=self.offsets[index])
+        return self.choice(index, text, token_ids=token_ids, logprobs=self._advance(index, formatted))
+
+    def _advance(self, index: int, logprobs: dict | None) -> dict | None:
+        if logprobs is not None and not self.job.chat:
+            self.offsets[index] += sum(len(t) for t in logprobs["tokens"])
+        return logprobs
+
+    def usage(self, outputs: Sequence[RequestOutput]) -> dict:
+        return {**self.head, "choices": [], "usage": usage(len(self.job.prompt_ids), outputs)}
