@@ -274,6 +274,20 @@ def test_close_stops_the_drafter_process(pair):
     llm.close()  # idempotent
 
 
+def test_the_drafter_started_before_the_target_loads_is_stopped_when_loading_fails(pair, tmp_path):
+    """The drafter's interpreter starts while the target loads; a target that fails to load
+    (here: a bad draft path, found after the target loaded) leaves no drafter process behind."""
+    import psutil
+
+    from specfork.errors import ModelLoadError
+
+    before = {c.pid for c in psutil.Process().children(recursive=True)}
+    with pytest.raises(ModelLoadError):
+        LLM(pair["target"], mode="ssd", draft=str(tmp_path / "missing-draft"), k=2)
+    started = [c for c in psutil.Process().children(recursive=True) if c.pid not in before]
+    assert all(not c.is_running() or c.status() == psutil.STATUS_ZOMBIE for c in started)
+
+
 def test_drafter_exits_when_the_target_process_dies(pair, tmp_path):
     """Run a target in a subprocess, SIGKILL it, and check its drafter leaves on its own."""
     import subprocess

@@ -35,10 +35,21 @@ class LLM:
 
             build_step = build_speculative_step
         elif self.config.mode == "ssd":
-            from specfork.spec.factory import build_ssd_step
+            from functools import partial
 
-            build_step = build_ssd_step
-        self.engine = LLMEngine(self.config, build_step)
+            from specfork.spec.factory import build_ssd_step
+            from specfork.spec.ssd.transport import DrafterProcess
+
+            # The drafter's interpreter starts now and imports torch while the target loads; it
+            # is told what to load once the target is ready.
+            drafter = DrafterProcess()
+            build_step = partial(build_ssd_step, drafter=drafter)
+        try:
+            self.engine = LLMEngine(self.config, build_step)
+        except BaseException:
+            if self.config.mode == "ssd":
+                drafter.close()
+            raise
 
     def close(self) -> None:
         """Stop helper processes (the SSD drafter). Also done at interpreter exit."""

@@ -42,8 +42,9 @@ def build_speculative_step(engine: LLMEngine) -> SpeculativeStep:
     return SpeculativeStep(engine.runner, proposer, k=config.k_max, max_model_len=engine.max_model_len, auto_k=auto_k)
 
 
-def build_ssd_step(engine: LLMEngine) -> SpeculativeStep:
-    """SSD: the same verification step, fed by a drafter process (see ``spec/ssd``)."""
+def build_ssd_step(engine: LLMEngine, drafter=None) -> SpeculativeStep:
+    """SSD: the same verification step, fed by a drafter process (see ``spec/ssd``). ``drafter``:
+    a :class:`DrafterProcess` started earlier and not yet launched (None starts one now)."""
     import os
 
     import torch
@@ -123,6 +124,7 @@ def build_ssd_step(engine: LLMEngine) -> SpeculativeStep:
 
     proposer = SSDProposer(
         launch,
+        drafter=drafter,
         vocab_size=target.arch.vocab_size,
         timeout_s=config.drafter_timeout_s,
         fallback=in_process_fallback,

@@ -91,10 +91,12 @@ class SSDProposer:
         fallback: Callable[[], Proposer],
         pin_target: Callable[[bool], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        drafter: DrafterProcess | None = None,
     ) -> None:
         """``timeout_s``: a fixed drafter timeout, or None to follow the observed rounds.
         ``pin_target(True)`` keeps the target on its own cores while a drafter runs on the others;
-        ``pin_target(False)`` gives it every core back (drafter down, or closed)."""
+        ``pin_target(False)`` gives it every core back (drafter down, or closed). ``drafter``: a
+        process started earlier (its interpreter warm) and not yet launched; None starts one."""
         self.launch = launch
         self.vocab_size = vocab_size
         self.deadline = DrafterDeadline(timeout_s)
@@ -115,9 +117,10 @@ class SSDProposer:
         self._accepted: dict[int, int | None] = {}
         self._released: list[int] = []
         self._pin(True)
-        self.drafter: DrafterProcess | None = DrafterProcess(launch)
+        self.drafter: DrafterProcess | None = drafter if drafter is not None else DrafterProcess()
         self.process = self.drafter.process  # of the newest drafter (tests and diagnostics)
         try:
+            self.drafter.send(launch)
             if self.drafter.ready(STARTUP_TIMEOUT_S) is None:
                 raise DrafterError(f"it did not start within {STARTUP_TIMEOUT_S:.0f} s")
         except DrafterError as e:

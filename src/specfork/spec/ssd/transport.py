@@ -24,8 +24,9 @@ class DrafterError(Exception):
 
 
 class DrafterProcess:
-    def __init__(self, launch: DrafterLaunch) -> None:
-        """Start the process and send it ``launch``; it loads the draft in the background."""
+    def __init__(self, launch: DrafterLaunch | None = None) -> None:
+        """Start the process; with ``launch`` also send it, and the draft loads in the
+        background. Without, the interpreter starts (imports torch) and waits for ``send(launch)``."""
         parent_sock, child_sock = socket.socketpair()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "specfork.spec.ssd.worker", str(child_sock.fileno())],
@@ -34,7 +35,8 @@ class DrafterProcess:
         child_sock.close()
         self.conn = Connection(parent_sock.detach())
         self._finalizer = weakref.finalize(self, _kill, self.process)
-        self.send(launch)
+        if launch is not None:
+            self.send(launch)
 
     @property
     def pid(self) -> int:

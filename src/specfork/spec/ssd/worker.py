@@ -67,7 +67,7 @@ def drafter_main(conn) -> None:
             torch.cuda.set_device(device)
         loaded = load_model(
             launch.draft, device=device, dtype=getattr(torch, launch.dtype), max_positions=launch.max_positions,
-            **launch.load_options,
+            with_tokenizer=False, **launch.load_options,  # the drafter sees token ids only
         )
         core = DrafterCore(loaded.model, launch.settings, device, seed=launch.seed)
         conn.send(("ready", {"pid": os.getpid(), "threads": torch.get_num_threads()}))
