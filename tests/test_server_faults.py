@@ -139,6 +139,9 @@ def test_shutdown_ends_every_stream_in_flight_with_a_final_chunk(long_tiny):
         for t in threads:
             t.start()
         assert all(e.wait(60) for e in started)
+        deadline = time.monotonic() + 30
+        while s.metric("specfork_num_requests_running") < 9 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the plain request too
         assert s.metric("specfork_num_requests_running") == 9
         code, seconds = s.stop(signal.SIGINT)
         for t in threads:
