@@ -103,26 +103,33 @@ def test_embedded_tokenizer_equals_transformers(embedded):
     assert ours.vocab == ref.get_vocab()
 
 
-def _write_tiny_vocab_gguf(path, *, pre: str, add_bos: bool) -> None:
-    """A GGUF with only a tokenizer: the byte alphabet, a few merges, two control tokens."""
-    spelled = list(byte_alphabet().values())
-    merges = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "Ġ w", "o r", "1 2", "12 3"]
-    merged = [m.replace(" ", "") for m in merges]
-    tokens = spelled + merged + ["<|begin_of_text|>", "<|end_of_text|>", "<think>"]
-    types = [1] * (len(tokens) - 3) + [3, 3, 4]
-    w = gguf.GGUFWriter(str(path), "llama")
+def _write_vocab_gguf(path, tokens: list[str], types: list[int], merges: list[str], *, arch: str, pre: str,
+                      bos: int, eos: int, add_bos: bool) -> None:
+    """A GGUF with a tokenizer and no tensors."""
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
-    w.add_bos_token_id(len(tokens) - 3)
-    w.add_eos_token_id(len(tokens) - 2)
+    w.add_bos_token_id(bos)
+    w.add_eos_token_id(eos)
     w.add_add_bos_token(add_bos)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _write_tiny_vocab_gguf(path, *, pre: str, add_bos: bool) -> None:
+    """The byte alphabet, a few merges, two control tokens and a user-defined one."""
+    spelled = list(byte_alphabet().values())
+    merges = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "Ġ w", "o r", "1 2", "12 3"]
+    merged = [m.replace(" ", "") for m in merges]
+    tokens = spelled + merged + ["<|begin_of_text|>", "<|end_of_text|>", "<think>"]
+    types = [1] * (len(tokens) - 3) + [3, 3, 4]
+    _write_vocab_gguf(path, tokens, types, merges, arch="llama", pre=pre, bos=len(tokens) - 3, eos=len(tokens) - 2,
+                      add_bos=add_bos)
 
 
 @pytest.mark.parametrize("pre,add_bos", [("llama-bpe", True), ("qwen2", False), ("smollm", False)])
@@ -160,19 +167,8 @@ def test_special_tokens_outside_the_byte_alphabet_go_through_transformers(tmp_pa
     spelled = list(byte_alphabet().values())
     merges = ["h e", "Ġ t"]
     tokens = spelled + ["he", "Ġt", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"]
-    w = gguf.GGUFWriter(str(tmp_path / "v.gguf"), "qwen2")
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("deepseek-r1-qwen")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * (len(tokens) - 2) + [3, 3])
-    w.add_token_merges(merges)
-    w.add_bos_token_id(len(tokens) - 2)
-    w.add_eos_token_id(len(tokens) - 1)
-    w.add_add_bos_token(True)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _write_vocab_gguf(tmp_path / "v.gguf", tokens, [1] * (len(tokens) - 2) + [3, 3], merges, arch="qwen2",
+                      pre="deepseek-r1-qwen", bos=len(tokens) - 2, eos=len(tokens) - 1, add_bos=True)
     ours = load_gguf_tokenizer(GGUFFile(tmp_path / "v.gguf"))
     ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="v.gguf")
     assert ours.encode("he the") == ref("he the")["input_ids"]
