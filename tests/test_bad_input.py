@@ -28,8 +28,27 @@ def tiny_llm(tiny_dir):
 
 
 def run_cli(*args, timeout=120):
+    """The `specfork` command in a fresh process (exit code and stderr as a user sees them)."""
     return subprocess.run([sys.executable, "-m", "specfork.cli", *args], capture_output=True, text=True,
                           timeout=timeout)
+
+
+def run_main(*args):
+    """The same command through `specfork.cli.main` in this process: the exit code and what it
+    printed, without starting an interpreter each time (an exception would fail the test)."""
+    import contextlib
+    import io
+    from types import SimpleNamespace
+
+    from specfork.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse
+            code = e.code
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 # ---- API ----------------------------------------------------------------------------------
@@ -126,12 +145,12 @@ def test_cli_unknown_model():
 def test_cli_invalid_sampling_values(tiny_dir):
     for flags, field in ((["--temperature", "-1"], "temperature"), (["--top-p", "0"], "top_p"),
                          (["--top-p", "1.5"], "top_p"), (["--max-tokens", "0"], "max_tokens")):
-        r = run_cli("generate", "--model", str(tiny_dir), "--prompt", "hi", *flags)
+        r = run_main("generate", "--model", str(tiny_dir), "--prompt", "hi", *flags)
         assert r.returncode == 2 and field in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_cli_empty_prompt(tiny_dir):
-    r = run_cli("generate", "--model", str(tiny_dir), "--prompt", "")
+    r = run_main("generate", "--model", str(tiny_dir), "--prompt", "")
     assert r.returncode == 2 and "prompt is empty" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -176,10 +195,10 @@ def test_cli_prompts_file_errors(tmp_path, tiny_dir):
     for i, (content, message) in enumerate(cases.items()):
         f = tmp_path / f"p{i}.jsonl"
         f.write_bytes(content)
-        r = run_cli("generate", "--model", str(tiny_dir), "--prompts-file", str(f))
+        r = run_main("generate", "--model", str(tiny_dir), "--prompts-file", str(f))
         assert r.returncode == 2, (content, r.stderr)
         assert message.replace("line 2: ", "") in r.stderr and "Traceback" not in r.stderr, (message, r.stderr)
-    r = run_cli("generate", "--model", str(tiny_dir), "--prompts-file", str(tmp_path / "missing.jsonl"))
+    r = run_main("generate", "--model", str(tiny_dir), "--prompts-file", str(tmp_path / "missing.jsonl"))
     assert r.returncode == 2 and "cannot read prompts file" in r.stderr
 
 
@@ -187,7 +206,7 @@ def test_cli_prompts_file_output_in_order(tmp_path, tiny_dir):
     f = tmp_path / "prompts.jsonl"
     f.write_text('{"token_ids": [1, 2, 3]}\n{"token_ids": [4, 5], "extra": 1}\n')
     out = tmp_path / "out.jsonl"
-    r = run_cli("generate", "--model", str(tiny_dir), "--prompts-file", str(f), "--output", str(out),
+    r = run_main("generate", "--model", str(tiny_dir), "--prompts-file", str(f), "--output", str(out),
                 "--max-tokens", "4", "--ignore-eos", "--no-progress")
     assert r.returncode == 0, r.stderr
     lines = [json.loads(line) for line in out.read_text().splitlines()]

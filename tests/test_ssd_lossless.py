@@ -10,7 +10,7 @@ from specfork import LLM, SamplingParams
 
 pytestmark = pytest.mark.dist
 
-NUM_SAMPLES = 12000
+SAMPLES = [9000, pytest.param(24000, marks=pytest.mark.slow)]  # default / the long version
 
 CASES = {  # backup, Saguaro coefficient, sampling setting
     "jit": ("jit", None, "temperature"),
@@ -36,12 +36,12 @@ def models(tmp_path_factory):
     return {"target": str(root / "target"), "draft": str(root / "draft"), "hf_target": target}
 
 
-def sample_ssd(models, params_kw, backup, saguaro):
+def sample_ssd(models, params_kw, backup, saguaro, num_samples):
     llm = LLM(models["target"], mode="ssd", draft=models["draft"], k=3, fan_out=2, backup=backup,
               saguaro_x=saguaro, max_num_seqs=512, kv_cache_tokens=512 * 16)
-    params = [SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, seed=i, **params_kw) for i in range(NUM_SAMPLES)]
+    params = [SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, seed=i, **params_kw) for i in range(num_samples)]
     try:
-        outs = llm.generate([PROMPT] * NUM_SAMPLES, params)
+        outs = llm.generate([PROMPT] * num_samples, params)
         assert llm.engine.step_strategy.proposer.failure is None
     finally:
         llm.close()
@@ -51,15 +51,16 @@ def sample_ssd(models, params_kw, backup, saguaro):
     accepted = sum(x["draft_tokens_accepted"] for x in m)
     proposed = sum(x["draft_tokens_proposed"] for x in m)
     # Hits and misses after the first round both occur; acceptances and rejections both occur.
-    assert NUM_SAMPLES // 10 < hits < requests - NUM_SAMPLES - NUM_SAMPLES // 10, (hits, requests)
+    assert num_samples // 10 < hits < requests - num_samples - num_samples // 10, (hits, requests)
     assert 0 < accepted < proposed
     return [tuple(o.token_ids) for o in outs]
 
 
+@pytest.mark.parametrize("num_samples", SAMPLES)
 @pytest.mark.parametrize("case", list(CASES))
-def test_ssd_output_distribution_is_the_target_distribution(models, case):
+def test_ssd_output_distribution_is_the_target_distribution(models, case, num_samples):
     backup, saguaro, setting = CASES[case]
     params_kw = SETTINGS[setting]
     joint = exact_joint(models["hf_target"], SamplingParams(**params_kw), NUM_TOKENS)
-    for name, (stat, dof, limit) in check(sample_ssd(models, params_kw, backup, saguaro), joint).items():
+    for name, (stat, dof, limit) in check(sample_ssd(models, params_kw, backup, saguaro, num_samples), joint).items():
         assert stat < limit, f"{case} {name}: chi2 {stat:.1f} >= {limit:.1f} (dof {dof})"

@@ -103,7 +103,12 @@ class Tokenizer:
         """Raw text → ids, adding BOS/EOS only as the tokenizer's own settings say."""
         if self._via_transformers:
             return list(self._hf(text)["input_ids"])
-        return self._backend.encode(text).ids
+        return self._encode(text, add_special_tokens=True)
+
+    def _encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        # encode_batch, not encode: it releases the GIL, so a long prompt tokenized on a worker
+        # thread does not stall the server's event loop (encode holds it for the whole text).
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self._via_transformers:
@@ -129,7 +134,7 @@ class Tokenizer:
         # The template already writes every special token it wants.
         if self._via_transformers:
             return list(self._hf(text, add_special_tokens=False)["input_ids"])
-        return self._backend.encode(text, add_special_tokens=False).ids
+        return self._encode(text, add_special_tokens=False)
 
     @cached_property
     def _template(self):
