@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs specfork and everything its tests need into the active Python environment, saying
-# what each step does. Run it inside a fresh virtual environment (see README). About 4 minutes
+# what each step does. Run it inside a fresh virtual environment (see README). About 3 minutes
 # on 2 cores the first time (half of it compiling the native kernels); a second install reuses
-# pip's cache and the compiled kernels (~/.cache/specfork/kernels) and takes well under a minute.
+# pip's cache and the compiled kernels (~/.cache/specfork/kernels) and takes about a minute.
 set -euo pipefail
 cd "$(dirname "$0")"
 started=$SECONDS
