@@ -204,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
         "build-kernels",
         help="compile the native CPU kernels now, with progress (install.sh runs it)",
         description="Compile specfork's native CPU kernels (quantised GEMM, paged attention, fused decoder "
-        "layer) for this machine: about 3-4 minutes on 2 cores, once. The build is cached under "
+        "layer) for this machine: about 2 minutes on 2 cores, once. The build is cached under "
         "~/.cache/specfork/kernels, keyed by the sources, the torch version and the compiler flags, so "
         "a second install or any later run imports it at once. Without a C++ compiler specfork still "
         "runs, on slower PyTorch paths.",
@@ -525,7 +525,7 @@ def cmd_build_kernels(args: argparse.Namespace) -> int:
         print(f"native CPU kernels: already built for this torch and these sources ({library.parent})")
         return 0 if cpu_kernels.kernels() is not None else 1
     total = len(cpu_kernels.SOURCES)
-    print(f"compiling the native CPU kernels: {total} C++ sources, about 3-4 minutes on 2 cores, once "
+    print(f"compiling the native CPU kernels: {total} C++ sources, about 2 minutes on 2 cores, once "
           f"(cached in {library.parent})", flush=True)
     start = time.perf_counter()
     result: list = []
