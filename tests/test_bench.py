@@ -43,7 +43,9 @@ def test_bench_writes_json_markdown_and_plots(tiny, tmp_path, monkeypatch):
     for r in rows.values():
         assert r["tok_per_s_min"] <= r["tok_per_s"] <= r["tok_per_s_max"]
         assert r["tokens"] == 2 * 10
-        if r["name"].startswith("specfork"):
+        if r["name"] == "specfork ar":
+            assert r["match_ar"] is None  # the reference itself
+        elif r["name"].startswith("specfork"):
             assert r["match_ar"] == 1.0  # greedy: every specfork mode reproduces AR
         else:
             assert 0.0 <= r["match_ar"] <= 1.0
@@ -61,6 +63,26 @@ def test_bench_writes_json_markdown_and_plots(tiny, tmp_path, monkeypatch):
         assert paths[name].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = format_table(report)
     assert "vs AR" in table and "1.00x" in table and "vs transformers AR" in table
+
+
+def test_a_mode_that_differs_from_ar_is_reported_as_differing(tiny, monkeypatch):
+    from specfork.bench import runner
+
+    real = runner.run_specfork
+
+    def ngram_off_by_one(mode, *args, **kwargs):
+        result, tokens = real(mode, *args, **kwargs)
+        if mode == "ngram":  # one output differs from AR in its last token
+            tokens = [list(t) for t in tokens]
+            tokens[0][-1] = (tokens[0][-1] + 1) % 256
+        return result, tokens
+
+    monkeypatch.setattr(runner, "run_specfork", ngram_off_by_one)
+    report = run_benchmark(_settings(tiny, modes=("ar", "ngram"), repeat=1, warmup=0), [{}], progress=False)
+    rows = {r["mode"]: r for r in report["results"]}
+    assert rows["ar"]["match_ar"] is None and rows["ngram"]["match_ar"] == 0.5  # 1 of 2 prompts equal
+    cells = {row[0].split()[1]: row[COLUMNS.index("= AR")] for row in table_rows(report)}
+    assert cells["ar"] == "\u2014" and cells["ngram"] == "50%"
 
 
 def test_plots_only_show_runs_with_data(tiny, tmp_path):

@@ -128,15 +128,27 @@ def test_target_cache_after_rejections_equals_fresh_prefill(pair):
     eng.abort(seq)
 
 
-def test_draft_cache_rolls_back(pair):
-    """A draft that is the target is always accepted; its cache must track the sequence."""
-    sd = LLM(pair["target"], mode="sd", draft=pair["noisy"], k=4)
+@pytest.mark.parametrize("draft", ["target", "noisy"])
+def test_draft_cache_tracks_the_sequence_and_rolls_back(pair, draft):
+    """A draft that is the target is always accepted, and its cache then holds every committed
+    token but the last two (its own last proposal, never fed back, and the bonus token); a noisy
+    draft is sometimes rejected, and its cache is rolled back to what the sequence committed
+    (never past it, never emptied)."""
+    sd = LLM(pair["target"], mode="sd", draft=pair[draft], k=4, deterministic=True)
     eng = sd.engine
     seq = eng.add_request(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    eng.step()  # prefill
+    rejected = False
     for _ in range(5):
         eng.step()
-    state = eng.step_strategy.proposer._states[seq.seq_id]
-    assert state.num_cached_tokens <= len(seq.token_ids) - 1
+        state = eng.step_strategy.proposer._states[seq.seq_id]
+        stats = seq.stats["spec"]
+        rejected |= stats.accepted < stats.proposed
+        assert 0 < state.num_cached_tokens <= len(seq.token_ids) - 1
+        if draft == "target":
+            assert stats.accepted == stats.proposed > 0
+            assert state.num_cached_tokens == len(seq.token_ids) - 2
+    assert rejected == (draft == "noisy")
     eng.abort(seq)
     assert seq.seq_id not in eng.step_strategy.proposer._states
 

@@ -149,15 +149,26 @@ def test_fork_candidates_are_j_major_and_exclude_the_speculated_token():
 
 
 def test_hit_requires_the_reported_outcome_to_match_the_speculation(pair):
-    core, _ = _core(pair["draft"], "fast")
+    core, loaded = _core(pair["draft"], "fast")
     greedy = SamplingParams(temperature=0.0)
     first = core.speculate([SpecRequest(0, PROMPTS[0], None, greedy, 3)])[0]
     core.prepare_next()
-    (_, j, c), _ = next(iter(core.cache.items()))
-    # The same outcome reported with a different accepted token is a miss, not a stale hit.
-    wrong = [t + 1 for t in first.tokens[:j]] + [c]
+    vocab = loaded.arch.vocab_size
+    # A cached outcome (j accepted, then c) with at least one accepted token, so that the same
+    # key (j, c) can be reported after different accepted tokens.
+    (_, j, c), (cached, _) = next((key, value) for key, value in core.cache.items() if key[1] >= 1)
+    wrong = [(t + 1) % vocab for t in first.tokens[:j]] + [c]
     reply = core.speculate([SpecRequest(0, wrong, j, greedy, 3)])[0]
-    assert reply.source == "jit" or j == 0
+    # A miss, answered by the backup from the context actually reported, not the stale branch.
+    assert reply.source == "jit"
+    assert reply.tokens == _greedy_continuation(loaded, PROMPTS[0] + wrong, 3)
+    # The right accepted tokens with the same (j, c) are a hit on the cached branch.
+    core2, _ = _core(pair["draft"], "fast")
+    first2 = core2.speculate([SpecRequest(0, PROMPTS[0], None, greedy, 3)])[0]
+    core2.prepare_next()
+    assert first2.tokens == first.tokens and (0, j, c) in core2.cache
+    hit = core2.speculate([SpecRequest(0, first.tokens[:j] + [c], j, greedy, 3)])[0]
+    assert hit.source != "jit" and hit.tokens == cached
 
 
 # -- faults and lifecycle ----------------------------------------------------------------

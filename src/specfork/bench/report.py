@@ -82,13 +82,20 @@ def table_rows(report: dict) -> list[list[str]]:
             f"{r['tok_per_s'] / base:.2f}x" if base else "-",
             _fmt(r.get("mean_accepted_length")),
             _fmt(r.get("ssd_cache_hit_rate")),
-            f"{r['match_ar']:.0%}" if r.get("match_ar") is not None else "-",
+            _match_cell(r),
             _fmt(r.get("latency_s", {}).get("p50")),
             _fmt(r.get("latency_s", {}).get("p99")),
             *[f"{r['tok_per_s'] / peer_base(name, r):.2f}x" if peer_base(name, r) else "-"
               for name in peer_baselines(report)],
         ])
     return out
+
+
+def _match_cell(r: dict) -> str:
+    """Share of outputs equal to specfork AR's; "—" on the AR rows, which are the reference."""
+    if r.get("match_ar") is not None:
+        return f"{r['match_ar']:.0%}"
+    return "\u2014" if r["name"] == "specfork ar" else "-"
 
 
 def _fmt(value) -> str:

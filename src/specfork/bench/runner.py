@@ -371,7 +371,7 @@ def run_benchmark(settings: BenchSettings, sweep: list[dict], progress: bool = T
             result, tokens = run_specfork(mode, dataset, prompts, point, bar if reported else None)
             if mode == "ar":
                 reference = tokens
-            if greedy:
+            if greedy and mode != "ar":  # AR is the reference: comparing it with itself says nothing
                 result.match_ar = _match_rate(tokens, reference)
             result.point = index
             if reported:

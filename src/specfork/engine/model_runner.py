@@ -42,12 +42,6 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
 
-    @staticmethod
-    def kv_bytes_per_token(model: LlamaForCausalLM) -> int:
-        cfg = model.config
-        itemsize = model.embed_tokens.weight.element_size()
-        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
-
     def prepare(
         self,
         seqs,

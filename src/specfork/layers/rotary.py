@@ -49,8 +49,6 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
-
         half = emb.shape[-1] // 2
         # rotate_half(x) * sin == roll(x, half) * cat(-sin[:half], sin[half:]) element for element
         self.register_buffer("sin_signed", torch.cat((-emb.sin()[:, :half], emb.sin()[:, half:]), dim=-1),
@@ -59,11 +57,6 @@ class RotaryEmbedding(nn.Module):
     def at(self, positions: torch.Tensor) -> RopeTables:
         """The tables of these positions, gathered once per forward and shared by every layer."""
         return RopeTables(self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1))
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, Hq, D], k: [T, Hkv, D], positions: [T]
-        tables = self.at(positions)
-        return tables.apply(q), tables.apply(k)
 
 
 class RopeTables:

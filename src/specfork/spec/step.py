@@ -20,15 +20,6 @@ from specfork.spec.rejection import verify_greedy, verify_sampled
 
 
 @dataclass
-class SpecTotals:
-    """Engine-wide counters (per-request counters live on each sequence's ``stats``)."""
-
-    rounds: int = 0
-    draft_time_s: float = 0.0
-    target_time_s: float = 0.0
-
-
-@dataclass
 class SpecStats:
     """Speculation counters of one request."""
 
@@ -82,7 +73,6 @@ class SpeculativeStep:
         self.auto_k = auto_k
         self.lookahead = k
         self.max_model_len = max_model_len
-        self.totals = SpecTotals()
 
     def execute(self, batch: ScheduledBatch) -> dict[Sequence, NewTokens]:
         if batch.is_prefill:
@@ -99,9 +89,6 @@ class SpeculativeStep:
         t2 = time.perf_counter()
         results, spans = self._verify(seqs, proposal, logits)
         draft_s, target_s = t1 - t0, t2 - t1
-        self.totals.rounds += 1
-        self.totals.draft_time_s += draft_s
-        self.totals.target_time_s += target_s
         out = {}
         for seq, props, result, (first, _) in zip(seqs, proposal.tokens, results, spans, strict=True):
             # The last committed token and the accepted proposals are now in the target cache.

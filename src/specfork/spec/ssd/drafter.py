@@ -48,9 +48,6 @@ from specfork.layers.sampler import logits_to_probs, sample_from_probs
 from specfork.sampling_params import SamplingParams
 from specfork.spec.ngram import ngram_lookup
 
-BACKUPS = ("jit", "fast")
-TREE_BACKENDS = ("sdpa", "fast")
-
 
 @dataclass(frozen=True, slots=True)
 class DrafterSettings:
@@ -342,7 +339,7 @@ class DrafterCore:
                 for cache in self.runner.kv_caches:
                     cache.index_copy_(1, dst, cache.index_select(1, src))
             rows_states = [states[s] for s, _, _ in branches]
-            tops = [self._saguaro_top(st) for st in rows_states]
+            tops = [self._saguaro_top() for _ in rows_states]
             feeds = [c for _, _, c in branches]
             out_tokens: list[list[int]] = [[] for _ in branches]
             out_probs: list[list[torch.Tensor]] = [[] for _ in branches]
@@ -360,7 +357,7 @@ class DrafterCore:
             self.blocks.release_blocks(owned)
         return [(t, torch.stack(p) if p else None) for t, p in zip(out_tokens, out_probs, strict=True)]
 
-    def _saguaro_top(self, st: TrunkState) -> int:
+    def _saguaro_top(self) -> int:
         """F for the Saguaro reshape: the largest per-outcome fan-out (the top-F tokens of a
         draft distribution are the cached branches it steers the residual towards)."""
         return max(self.settings.fanout_hit)
@@ -409,7 +406,7 @@ class DrafterCore:
                 )[:, : self.vocab_size]
                 flat = [b for s in order for b in by_state[s]]
                 rows_states = [states[branches[b][0]] for b in flat]
-                tops = [self._saguaro_top(st) for st in rows_states]
+                tops = [self._saguaro_top() for _ in rows_states]
                 drawn, q = self._draw(logits, rows_states, tops)
                 for r, b in enumerate(flat):
                     out_tokens[b].append(drawn[r])

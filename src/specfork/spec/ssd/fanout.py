@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from specfork.errors import SpecforkError
 
-FANOUT_KINDS = ("uniform", "geometric")
-
 
 def uniform_fanout(k: int, f: int) -> list[int]:
     return [f] * (k + 1)
