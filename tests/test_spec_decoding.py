@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import build_tiny_checkpoint
+from builders import build_tiny_checkpoint
 from helpers import assert_greedy_match
 
 from specfork import LLM, ModelLoadError, SamplingParams, SpecforkError

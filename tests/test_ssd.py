@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from conftest import _llama, randomize_
+from builders import llama, randomize_
 
 from specfork import LLM, SamplingParams
 from specfork.loading import load_model
@@ -22,7 +22,7 @@ def _model(path, seed, noise_from=None):
     """A tiny random Llama; with ``noise_from``, that model's weights plus noise (a draft that
     agrees with it often but not always)."""
     torch.manual_seed(seed)
-    model = _llama(num_hidden_layers=2).float().eval()
+    model = llama(num_hidden_layers=2).float().eval()
     randomize_(model, seed)
     if noise_from is not None:
         gen = torch.Generator().manual_seed(seed)

@@ -4,7 +4,7 @@ probabilities over a vocabulary of 8, tokens 1-3 and 3-5, so later rounds count)
 
 import pytest
 import torch
-from test_spec_lossless import NUM_TOKENS, PROMPT, SETTINGS, _tiny, check, exact_joint
+from lossless import NUM_TOKENS, PROMPT, SETTINGS, check, exact_joint, tiny_model
 
 from specfork import LLM, SamplingParams
 
@@ -26,8 +26,8 @@ def models(tmp_path_factory):
     """The SD test's target, and as draft a noisy copy of it: close enough that corrections
     often land on cached branches (hits), far enough for rejections."""
     root = tmp_path_factory.mktemp("ssd_lossless")
-    target = _tiny(root / "target", seed=11)
-    draft = _tiny(root / "draft", seed=12)
+    target = tiny_model(root / "target", seed=11)
+    draft = tiny_model(root / "draft", seed=12)
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for p, q in zip(draft.parameters(), target.parameters(), strict=True):

@@ -1,0 +1,98 @@
+"""Shared by the chi-square losslessness tests (SD and SSD): a tiny target over a vocabulary of
+8 tokens, the exact probabilities of its first tokens by enumerating every prefix, and the
+chi-square check of sampled outputs against them."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import torch
+from builders import llama, randomize_
+
+from specfork import SamplingParams
+from specfork.layers.sampler import logits_to_probs
+
+VOCAB = 8
+PROMPT = [1, 3, 5]
+NUM_TOKENS = 5
+
+
+def tiny_model(path, seed):
+    torch.manual_seed(seed)
+    model = llama(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                   bos_token_id=1, eos_token_id=7, tie_word_embeddings=False).float().eval()
+    randomize_(model, seed)
+    with torch.no_grad():  # sharper conditionals: distributions far from uniform
+        model.lm_head.weight.mul_(3.0)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+@torch.no_grad()
+def exact_joint(hf_model, params: SamplingParams, n: int) -> dict[tuple[int, ...], float]:
+    """P(first n generated tokens) under the target, by enumerating every prefix."""
+    joint = {(): 1.0}
+    for _ in range(n):
+        prefixes = list(joint)
+        ids = torch.tensor([PROMPT + list(p) for p in prefixes])
+        logits = hf_model(ids).logits[:, -1].float()
+        rows = len(prefixes)
+        probs = logits_to_probs(logits, torch.full((rows,), params.temperature), torch.full((rows,), params.top_k),
+                                torch.full((rows,), params.top_p))
+        nxt = {}
+        for p, row in zip(prefixes, probs.tolist(), strict=True):
+            for tok, pr in enumerate(row):
+                if pr > 0:
+                    nxt[p + (tok,)] = joint[p] * pr
+        joint = nxt
+    return joint
+
+
+def marginal(joint, positions):
+    out = Counter()
+    for seq, p in joint.items():
+        out[tuple(seq[i] for i in positions)] += p
+    return out
+
+
+def chi_square(counts: Counter, probs: dict, n: int) -> tuple[float, int]:
+    """Chi-square statistic and degrees of freedom, pooling cells expected below 5."""
+    stat, dof, pooled_obs, pooled_exp = 0.0, 0, 0, 0.0
+    for cell, p in probs.items():
+        e = p * n
+        if e < 5:
+            pooled_obs += counts.get(cell, 0)
+            pooled_exp += e
+            continue
+        stat += (counts.get(cell, 0) - e) ** 2 / e
+        dof += 1
+    impossible = sum(c for cell, c in counts.items() if cell not in probs)
+    assert impossible == 0, f"{impossible} samples hit cells of probability 0"
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / max(pooled_exp, 1e-9)
+        dof += 1
+    return stat, dof - 1
+
+
+def chi2_quantile(dof: int, z: float = 3.29) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile (z = 3.29: p = 0.0005)."""
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+def check(samples, joint):
+    n = len(samples)
+    results = {}
+    for name, positions in (("tokens 1-3", (0, 1, 2)), ("tokens 3-5", (2, 3, 4))):
+        counts = Counter(tuple(s[i] for i in positions) for s in samples)
+        stat, dof = chi_square(counts, marginal(joint, positions), n)
+        results[name] = (stat, dof, chi2_quantile(dof))
+    return results
+
+
+SETTINGS = {
+    "temperature": dict(temperature=1.0),
+    "top-k": dict(temperature=0.8, top_k=4),
+    "top-p": dict(temperature=1.3, top_p=0.8),
+}
