@@ -10,7 +10,7 @@ from specfork import LLM, SamplingParams
 
 pytestmark = pytest.mark.dist
 
-SAMPLES = [9000, pytest.param(24000, marks=pytest.mark.slow)]  # default / the long version
+SAMPLES = [6000, pytest.param(24000, marks=pytest.mark.slow)]  # default / the long version
 
 CASES = {  # backup, Saguaro coefficient, sampling setting
     "jit": ("jit", None, "temperature"),
