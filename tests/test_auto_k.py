@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specfork import LLM, SamplingParams, SpecforkError
-from specfork.spec.auto_k import AutoK, StepCosts, plan
+from specfork.speculative.auto_k import AutoK, StepCosts, plan
 
 
 def test_plan_maximises_expected_tokens_per_second():

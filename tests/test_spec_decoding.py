@@ -9,8 +9,8 @@ from helpers import assert_greedy_match
 
 from specfork import LLM, ModelLoadError, SamplingParams, SpecforkError
 from specfork.engine.sequence import Sequence
-from specfork.spec.ngram import NgramProposer, ngram_lookup
-from specfork.spec.rejection import verify_greedy
+from specfork.speculative.ngram import NgramProposer, ngram_lookup
+from specfork.speculative.rejection import verify_greedy
 
 PROMPTS = [[1, 5, 9, 13, 2, 7, 30, 31], [1, 44, 3], [1, 8, 8, 8, 8, 8, 8, 8, 8, 20, 21], [1, 60, 61, 62, 63, 64],
            [1, 100, 7, 100, 7, 100]]

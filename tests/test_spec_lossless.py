@@ -11,8 +11,7 @@ import torch
 from lossless import NUM_TOKENS, PROMPT, SETTINGS, VOCAB, check, exact_joint, tiny_model
 
 from specfork import LLM, SamplingParams
-from specfork.spec import rejection
-from specfork.spec import step as spec_step
+from specfork.speculative import rejection, sd_step
 
 NUM_SAMPLES = 12000
 
@@ -67,7 +66,7 @@ def _resample_from_target(target_probs, proposed, draft_probs, generator):
 @pytest.mark.parametrize("wrong_rule", [_always_accept, _resample_from_target])
 def test_wrong_acceptance_rules_fail_the_test(models, monkeypatch, wrong_rule):
     """The chi-square check has the power to catch a broken verifier."""
-    monkeypatch.setattr(spec_step, "verify_sampled", wrong_rule)
+    monkeypatch.setattr(sd_step, "verify_sampled", wrong_rule)
     params_kw = SETTINGS["temperature"]
     joint = exact_joint(models["hf_target"], SamplingParams(**params_kw), NUM_TOKENS)
     results = check(sample_sd(models, params_kw, expect_rejections=False), joint)

@@ -11,7 +11,7 @@ from builders import llama, randomize_
 
 from specfork import LLM, SamplingParams
 from specfork.loading import load_model
-from specfork.spec.ssd.drafter import DrafterCore, DrafterSettings, SpecRequest, fork_candidates
+from specfork.speculative.ssd.drafter import DrafterCore, DrafterSettings, SpecRequest, fork_candidates
 
 pytestmark = pytest.mark.dist
 
@@ -218,7 +218,7 @@ def test_a_hung_drafter_times_out_and_generation_continues(pair):
 
 
 def test_the_default_drafter_deadline_follows_the_observed_rounds():
-    from specfork.spec.ssd.deadline import CAP_S, FLOOR_S, DrafterDeadline
+    from specfork.speculative.ssd.deadline import CAP_S, FLOOR_S, DrafterDeadline
 
     fixed = DrafterDeadline(7.5)
     fixed.observe(100.0, 1)

@@ -33,7 +33,7 @@ class Config:
     draft: the draft checkpoint; None or "default" takes the draft shipped with specfork for
         the target (there is one for the embedded model).
     k: tokens proposed per speculative round, or "auto" (SD only): chosen from the measured draft
-        and target step times and the acceptance observed so far (``spec/auto_k.py``).
+        and target step times and the acceptance observed so far (``speculative/auto_k.py``).
     fan_out: SSD branches pre-drafted per verification outcome (uniform F).
     fan_out_list / fan_out_list_miss: per-outcome fan-out (k + 1 entries, or "geometric:TOTAL" for
         the paper's capped-geometric allocation) for rounds that hit / missed the cache; they
@@ -47,7 +47,7 @@ class Config:
         the available cores are split in two halves.
     drafter_timeout_s: an SSD drafter that does not answer within this many seconds is declared
         failed (requests go on in-process while it restarts); None (default) follows the observed
-        round times instead (``spec/ssd/deadline.py``: 10x the expected answer, 2 to 60 s).
+        round times instead (``speculative/ssd/deadline.py``: 10x the expected answer, 2 to 60 s).
     deterministic: batch-invariant kernels, so that speculative greedy output is bit-identical
         to AR greedy output (the default fast mode may differ at numerical near-ties).
     weights: "native" runs a GGUF's Q4_0/Q4_1/Q8_0 matrices in their quantised form (native
@@ -165,7 +165,7 @@ class Config:
     @property
     def fan_out_lists(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(F for rounds that hit, F for rounds that missed), k + 1 entries each."""
-        from specfork.spec.ssd.fanout import parse_fanout, uniform_fanout
+        from specfork.speculative.ssd.fanout import parse_fanout, uniform_fanout
 
         hit = self.fan_out_list
         hit = tuple(parse_fanout(hit, self.k_max) if hit is not None else uniform_fanout(self.k_max, self.fan_out))
@@ -179,7 +179,7 @@ class Config:
     @property
     def k_max(self) -> int:
         """The most tokens a round may propose."""
-        from specfork.spec.auto_k import K_MAX
+        from specfork.speculative.auto_k import K_MAX
 
         return K_MAX if self.auto_k else self.k
 

@@ -31,14 +31,14 @@ class LLM:
         self.config = Config(model=model, **options)
         build_step = None
         if self.config.mode == "sd":
-            from specfork.spec.factory import build_speculative_step
+            from specfork.speculative.factory import build_speculative_step
 
             build_step = build_speculative_step
         elif self.config.mode == "ssd":
             from functools import partial
 
-            from specfork.spec.factory import build_ssd_step
-            from specfork.spec.ssd.transport import DrafterProcess
+            from specfork.speculative.factory import build_ssd_step
+            from specfork.speculative.ssd.transport import DrafterProcess
 
             # The drafter's interpreter starts now and imports torch while the target loads; it
             # is told what to load once the target is ready.

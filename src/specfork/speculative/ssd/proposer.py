@@ -1,4 +1,4 @@
-"""The target side of SSD: a :class:`~specfork.spec.proposer.Proposer` whose drafts come from
+"""The target side of SSD: a :class:`~specfork.speculative.proposer.Proposer` whose drafts come from
 the drafter process.
 
 Each round it sends, per sequence, the tokens committed since its last request (ending with
@@ -25,11 +25,11 @@ import torch
 
 from specfork.engine.sequence import Sequence
 from specfork.engine.step import StepHealth
-from specfork.spec.proposer import Proposal, Proposer
-from specfork.spec.ssd.deadline import DrafterDeadline
-from specfork.spec.ssd.drafter import SpecRequest
-from specfork.spec.ssd.transport import DrafterError, DrafterProcess
-from specfork.spec.ssd.worker import DrafterLaunch
+from specfork.speculative.proposer import Proposal, Proposer
+from specfork.speculative.ssd.deadline import DrafterDeadline
+from specfork.speculative.ssd.drafter import SpecRequest
+from specfork.speculative.ssd.transport import DrafterError, DrafterProcess
+from specfork.speculative.ssd.worker import DrafterLaunch
 
 logger = logging.getLogger(__name__)
 

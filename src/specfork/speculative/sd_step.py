@@ -14,9 +14,9 @@ from specfork.engine.scheduler import ScheduledBatch
 from specfork.engine.sequence import Sequence
 from specfork.engine.step import NewTokens, StepHealth, sample_new_tokens, sampling_tensors
 from specfork.layers.sampler import logits_to_probs
-from specfork.spec.auto_k import AutoK
-from specfork.spec.proposer import Proposal, Proposer
-from specfork.spec.rejection import verify_greedy, verify_sampled
+from specfork.speculative.auto_k import AutoK
+from specfork.speculative.proposer import Proposal, Proposer
+from specfork.speculative.rejection import verify_greedy, verify_sampled
 
 
 @dataclass

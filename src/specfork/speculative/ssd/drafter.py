@@ -46,7 +46,7 @@ from specfork.engine.model_runner import ModelRunner
 from specfork.engine.step import sampling_tensors
 from specfork.layers.sampler import logits_to_probs, sample_from_probs
 from specfork.sampling_params import SamplingParams
-from specfork.spec.ngram import ngram_lookup
+from specfork.speculative.ngram import ngram_lookup
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specfork.spec.ssd.drafter import DrafterCore, DrafterSettings, SpecReply
+from specfork.speculative.ssd.drafter import DrafterCore, DrafterSettings, SpecReply
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ if __name__ == "__main__":
     import sys
     from multiprocessing.connection import Connection
 
-    # Run the module's importable twin, so pickled classes are named specfork.spec.ssd.worker.*.
-    from specfork.spec.ssd import worker
+    # Run the module's importable twin, so pickled classes are named specfork.speculative.ssd.worker.*.
+    from specfork.speculative.ssd import worker
 
     worker.drafter_main(Connection(int(sys.argv[1])))

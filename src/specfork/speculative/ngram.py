@@ -7,7 +7,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from specfork.engine.sequence import Sequence
-from specfork.spec.proposer import Proposal
+from specfork.speculative.proposer import Proposal
 
 
 def ngram_lookup(tokens: list[int], *, min_n: int, max_n: int, k: int) -> list[int]:

@@ -13,7 +13,7 @@ from specfork.engine.sequence import Sequence
 from specfork.engine.step import sample_with_probs
 from specfork.errors import ModelLoadError
 from specfork.loading import LoadedModel
-from specfork.spec.proposer import Proposal
+from specfork.speculative.proposer import Proposal
 
 
 @dataclass

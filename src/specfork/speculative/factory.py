@@ -6,9 +6,9 @@ from specfork.engine.llm_engine import LLMEngine
 from specfork.errors import SpecforkError
 from specfork.loading import load_model
 from specfork.loading.resolve import resolve_draft
-from specfork.spec.draft_model import DraftModelProposer, check_vocabularies
-from specfork.spec.ngram import NgramProposer
-from specfork.spec.step import SpeculativeStep
+from specfork.speculative.draft_model import DraftModelProposer, check_vocabularies
+from specfork.speculative.ngram import NgramProposer
+from specfork.speculative.sd_step import SpeculativeStep
 
 
 def build_speculative_step(engine: LLMEngine) -> SpeculativeStep:
@@ -34,7 +34,7 @@ def build_speculative_step(engine: LLMEngine) -> SpeculativeStep:
         )
     auto_k = None
     if config.auto_k:
-        from specfork.spec.auto_k import K_MAX, AutoK, StepCosts, measure_forward
+        from specfork.speculative.auto_k import K_MAX, AutoK, StepCosts, measure_forward
 
         verify = tuple(measure_forward(engine.runner, engine.block_manager, m) for m in range(1, K_MAX + 2))
         draft_s = 0.0 if config.drafter == "ngram" else measure_forward(proposer.runner, proposer.blocks, 1)
@@ -43,15 +43,15 @@ def build_speculative_step(engine: LLMEngine) -> SpeculativeStep:
 
 
 def build_ssd_step(engine: LLMEngine, drafter=None) -> SpeculativeStep:
-    """SSD: the same verification step, fed by a drafter process (see ``spec/ssd``). ``drafter``:
+    """SSD: the same verification step, fed by a drafter process (see ``speculative/ssd``). ``drafter``:
     a :class:`DrafterProcess` started earlier and not yet launched (None starts one now)."""
     import os
 
     import torch
 
-    from specfork.spec.ssd.drafter import DrafterSettings
-    from specfork.spec.ssd.proposer import SSDProposer
-    from specfork.spec.ssd.worker import DrafterLaunch
+    from specfork.speculative.ssd.drafter import DrafterSettings
+    from specfork.speculative.ssd.proposer import SSDProposer
+    from specfork.speculative.ssd.worker import DrafterLaunch
 
     config = engine.config
     if config.drafter != "draft":

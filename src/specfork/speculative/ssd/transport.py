@@ -14,7 +14,7 @@ import sys
 import weakref
 from multiprocessing.connection import Connection
 
-from specfork.spec.ssd.worker import DrafterLaunch
+from specfork.speculative.ssd.worker import DrafterLaunch
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ class DrafterProcess:
         background. Without, the interpreter starts (imports torch) and waits for ``send(launch)``."""
         parent_sock, child_sock = socket.socketpair()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "specfork.spec.ssd.worker", str(child_sock.fileno())],
+            [sys.executable, "-m", "specfork.speculative.ssd.worker", str(child_sock.fileno())],
             pass_fds=(child_sock.fileno(),),
         )
         child_sock.close()
