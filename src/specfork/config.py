@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specfork.errors import SpecforkError
+from specfork.fanout import parse_fanout, uniform_fanout
 
 DEFAULT_MODEL = "smollm2-135m"
 MODES = ("ar", "sd", "ssd")
@@ -14,6 +15,7 @@ DRAFTERS = ("draft", "ngram")
 WEIGHTS = ("native", "fp32")
 QUANTIZE = ("int4",)
 QUANTIZE_GROUPS = (32, 64, 128)
+K_MAX = 8  # the most tokens k "auto" may propose in a round
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,8 +167,6 @@ class Config:
     @property
     def fan_out_lists(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(F for rounds that hit, F for rounds that missed), k + 1 entries each."""
-        from specfork.speculative.ssd.fanout import parse_fanout, uniform_fanout
-
         hit = self.fan_out_list
         hit = tuple(parse_fanout(hit, self.k_max) if hit is not None else uniform_fanout(self.k_max, self.fan_out))
         miss = self.fan_out_list_miss
@@ -179,8 +179,6 @@ class Config:
     @property
     def k_max(self) -> int:
         """The most tokens a round may propose."""
-        from specfork.speculative.auto_k import K_MAX
-
         return K_MAX if self.auto_k else self.k
 
     @property

@@ -19,9 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
+from specfork.config import K_MAX
+
 logger = logging.getLogger(__name__)
 
-K_MAX = 8
 PRIOR_ALPHA = 0.5
 PRIOR_TRIALS = 4.0
 REPLAN_EVERY = 8  # rounds
