@@ -10,8 +10,8 @@ from collections import Counter
 import torch
 from builders import llama, randomize_
 
-from specfork import SamplingParams
-from specfork.layers.sampler import logits_to_probs
+from specfork import LLM, SamplingParams
+from specfork.sampling import logits_to_probs
 
 VOCAB = 8
 PROMPT = [1, 3, 5]
@@ -96,3 +96,38 @@ SETTINGS = {
     "top-k": dict(temperature=0.8, top_k=4),
     "top-p": dict(temperature=1.3, top_p=0.8),
 }
+
+
+def ssd_models(root) -> dict:
+    """The SD test's target, and as draft a noisy copy of it: close enough that corrections
+    often land on cached branches (hits), far enough for rejections."""
+    target = tiny_model(root / "target", seed=11)
+    draft = tiny_model(root / "draft", seed=12)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p, q in zip(draft.parameters(), target.parameters(), strict=True):
+            p.copy_(q + 0.5 * q.std() * torch.randn(q.shape, generator=gen))
+    draft.save_pretrained(root / "draft", safe_serialization=True)
+    return {"target": str(root / "target"), "draft": str(root / "draft"), "hf_target": target}
+
+
+def sample_ssd(models, params_kw, backup, saguaro, num_samples, device="cpu"):
+    """``num_samples`` SSD generations of PROMPT; checks that hits and misses, acceptances and
+    rejections all occurred and that the drafter process never failed."""
+    llm = LLM(models["target"], mode="ssd", draft=models["draft"], k=3, fan_out=2, backup=backup,
+              saguaro_x=saguaro, max_num_seqs=512, kv_cache_tokens=512 * 16, device=device)
+    params = [SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, seed=i, **params_kw) for i in range(num_samples)]
+    try:
+        outs = llm.generate([PROMPT] * num_samples, params)
+        assert llm.engine.step_strategy.proposer.failure is None
+    finally:
+        llm.close()
+    m = [o.metrics for o in outs]
+    hits = sum(x["ssd_cache_hits"] for x in m)
+    requests = sum(x["ssd_requests"] for x in m)
+    accepted = sum(x["draft_tokens_accepted"] for x in m)
+    proposed = sum(x["draft_tokens_proposed"] for x in m)
+    # Hits and misses after the first round both occur; acceptances and rejections both occur.
+    assert num_samples // 10 < hits < requests - num_samples - num_samples // 10, (hits, requests)
+    assert 0 < accepted < proposed
+    return [tuple(o.token_ids) for o in outs]

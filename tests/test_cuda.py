@@ -4,6 +4,7 @@ speculative decoding against AR, bf16 generation."""
 import pytest
 import torch
 from helpers import assert_greedy_match
+from lossless import NUM_TOKENS, SETTINGS, check, exact_joint, sample_ssd, ssd_models
 
 from specfork import LLM, SamplingParams
 
@@ -77,3 +78,25 @@ def test_cuda_bf16_generates(tiny_checkpoints):
     assert all(len(o.token_ids) == 32 for o in bf16)
     # bf16 rounding may change late tokens, but the first token of a healthy model agrees
     assert sum(a.token_ids[0] == b.token_ids[0] for a, b in zip(fp32, bf16, strict=True)) >= 2
+
+
+def test_cuda_ssd_greedy_equals_ar(tiny_checkpoints):
+    path = str(tiny_checkpoints["llama-gqa-tied"].path)
+    draft = str(tiny_checkpoints["llama3-rope-untied-sharded"].path)
+    ar = LLM(path, device="cuda", deterministic=True).generate(PROMPTS, GREEDY)
+    with LLM(path, device="cuda", mode="ssd", draft=draft, k=3, deterministic=True) as ssd:
+        out = ssd.generate(PROMPTS, GREEDY)
+        assert ssd.engine.step_strategy.proposer.failure is None
+    assert [o.token_ids for o in out] == [o.token_ids for o in ar]
+
+
+@pytest.mark.parametrize("backup", ["jit", "fast"])
+def test_cuda_ssd_sampling_is_lossless(tmp_path, backup):
+    """At temperature > 0 the drafter's q crosses the pipe and is verified on the target's GPU:
+    the output distribution is still exactly the target's."""
+    models = ssd_models(tmp_path)
+    params_kw = SETTINGS["temperature"]
+    joint = exact_joint(models["hf_target"], SamplingParams(**params_kw), NUM_TOKENS)
+    samples = sample_ssd(models, params_kw, backup, None, 6000, device="cuda")
+    for name, (stat, dof, limit) in check(samples, joint).items():
+        assert stat < limit, f"{backup} {name}: chi2 {stat:.1f} >= {limit:.1f} (dof {dof})"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specfork import SamplingParams, SpecforkError
-from specfork.layers.sampler import logits_to_probs, sample_from_probs
+from specfork.sampling import logits_to_probs, sample_from_probs
 
 
 def _probs(logits, temperature=1.0, top_k=0, top_p=1.0):

@@ -84,7 +84,7 @@ def test_sd_with_kv_exhaustion_and_preemption(pair, ar_outputs):
     assert sd.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outs] == ar_outputs
     assert sd.engine.block_manager.num_used_blocks == 0
-    assert sd.engine.step_strategy.proposer.blocks.num_used_blocks == 0, "draft blocks leaked"
+    assert sd.engine.step_strategy.proposer.drafts.blocks.num_used_blocks == 0, "draft blocks leaked"
 
 
 def test_fast_mode_diverges_only_at_near_ties(pair):

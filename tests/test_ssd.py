@@ -11,7 +11,9 @@ from builders import llama, randomize_
 
 from specfork import LLM, SamplingParams
 from specfork.loading import load_model
-from specfork.speculative.ssd.drafter import DrafterCore, DrafterSettings, SpecRequest, fork_candidates
+from specfork.speculative.ssd.drafter import DrafterCore
+from specfork.speculative.ssd.messages import DrafterSettings, SpecRequest
+from specfork.speculative.ssd.tree import fork_candidates
 
 pytestmark = pytest.mark.dist
 
@@ -120,11 +122,12 @@ def test_tree_branches_equal_plain_decoding_of_their_context(pair, backend):
     reply = core.speculate([SpecRequest(0, prompt, None, greedy, 3)])[0]
     assert reply.source == "jit" and len(reply.tokens) == 3
     core.prepare_next()
-    assert core.cache, "nothing was pre-drafted"
-    keys = sorted(core.cache)
+    assert core.cache.entries, "nothing was pre-drafted"
+    keys = sorted(core.cache.entries)
     assert len(keys) == 12 and len(set(keys)) == 12
-    for (_, j, c), (tokens, probs) in core.cache.items():
-        assert probs is None
+    for (_, j, c), entry in core.cache.entries.items():
+        tokens = entry.tokens
+        assert entry.probs is None
         if j < 3:
             assert c != reply.tokens[j], "the speculated token itself must not be a fork"
         context = prompt + reply.tokens[:j] + [c]
@@ -138,7 +141,7 @@ def test_tree_backends_give_the_same_speculations(pair):
         for seq_id, prompt in enumerate(PROMPTS):
             core.speculate([SpecRequest(seq_id, prompt + [5], None, SamplingParams(temperature=0.0), 3)])
             core.prepare_next()
-        caches.append({key: tokens for key, (tokens, _) in core.cache.items()})
+        caches.append({key: entry.tokens for key, entry in core.cache.entries.items()})
     assert caches[0] == caches[1]
 
 
@@ -156,7 +159,7 @@ def test_hit_requires_the_reported_outcome_to_match_the_speculation(pair):
     vocab = loaded.arch.vocab_size
     # A cached outcome (j accepted, then c) with at least one accepted token, so that the same
     # key (j, c) can be reported after different accepted tokens.
-    (_, j, c), (cached, _) = next((key, value) for key, value in core.cache.items() if key[1] >= 1)
+    (_, j, c), cached = next((key, value.tokens) for key, value in core.cache.entries.items() if key[1] >= 1)
     wrong = [(t + 1) % vocab for t in first.tokens[:j]] + [c]
     reply = core.speculate([SpecRequest(0, wrong, j, greedy, 3)])[0]
     # A miss, answered by the backup from the context actually reported, not the stale branch.
@@ -166,7 +169,7 @@ def test_hit_requires_the_reported_outcome_to_match_the_speculation(pair):
     core2, _ = _core(pair["draft"], "fast")
     first2 = core2.speculate([SpecRequest(0, PROMPTS[0], None, greedy, 3)])[0]
     core2.prepare_next()
-    assert first2.tokens == first.tokens and (0, j, c) in core2.cache
+    assert first2.tokens == first.tokens and (0, j, c) in core2.cache.entries
     hit = core2.speculate([SpecRequest(0, first.tokens[:j] + [c], j, greedy, 3)])[0]
     assert hit.source != "jit" and hit.tokens == cached
 

@@ -12,8 +12,8 @@ from specfork.engine.logprobs import logprob_entries
 from specfork.engine.model_runner import ModelRunner
 from specfork.engine.scheduler import ScheduledBatch
 from specfork.engine.sequence import Sequence
-from specfork.layers.sampler import logits_to_probs, sample_from_probs
 from specfork.outputs import TokenLogprob
+from specfork.sampling import sample
 
 
 @dataclass(slots=True)
@@ -53,39 +53,10 @@ class Step(Protocol):
         ...
 
 
-def sampling_tensors(seqs: list[Sequence], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row temperature, top-k and top-p (greedy rows get temperature 1; callers argmax them)."""
-    temp = torch.tensor([s.params.temperature or 1.0 for s in seqs], dtype=torch.float32, device=device)
-    top_k = torch.tensor([s.params.top_k for s in seqs], dtype=torch.long, device=device)
-    top_p = torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32, device=device)
-    return temp, top_k, top_p
-
-
-def sample_with_probs(
-    logits: torch.Tensor, seqs: list[Sequence]
-) -> tuple[list[int], list[int], torch.Tensor | None]:
-    """One token per row of ``logits`` [N, V]: argmax for greedy requests, otherwise a draw from
-    the filtered distribution with the request's own generator. Also returns which rows were
-    sampled and the distributions they were drawn from ([len(sampled), V], or None)."""
-    tokens = logits.argmax(dim=-1)
-    sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
-    probs = None
-    if sampled:
-        rows = [seqs[i] for i in sampled]
-        idx = torch.tensor(sampled, device=logits.device)
-        probs = logits_to_probs(logits.index_select(0, idx), *sampling_tensors(rows, logits.device))
-        tokens[idx] = sample_from_probs(probs, [s.generator for s in rows])
-    return tokens.tolist(), sampled, probs
-
-
-def sample_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    return sample_with_probs(logits, seqs)[0]
-
-
 def sample_new_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> dict[Sequence, NewTokens]:
     """One token per row of ``logits`` [N, V] (row i belongs to ``seqs[i]``), with its
     log-probability for the requests that asked for it."""
-    tokens = sample_tokens(logits, seqs)
+    tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs]).tokens
     return {s: NewTokens([t], _logprobs(logits, i, t, s)) for i, (s, t) in enumerate(zip(seqs, tokens, strict=True))}
 
 

@@ -5,11 +5,11 @@ first use so that light users of this package (the CLI's option tables) do not i
 
 from specfork.loading.resolve import CheckpointLocation, resolve_checkpoint
 
-__all__ = ["LoadedModel", "load_model", "resolve_checkpoint", "CheckpointLocation"]
+__all__ = ["LoadedModel", "Vocabulary", "load_model", "load_vocabulary", "resolve_checkpoint", "CheckpointLocation"]
 
 
 def __getattr__(name: str):
-    if name in ("LoadedModel", "load_model"):
+    if name in ("LoadedModel", "Vocabulary", "load_model", "load_vocabulary"):
         from specfork.loading import loader
 
         return getattr(loader, name)

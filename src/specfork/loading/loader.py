@@ -17,7 +17,6 @@ from specfork.models.llama import LlamaForCausalLM
 logger = logging.getLogger(__name__)
 
 
-
 @dataclass
 class LoadedModel:
     model: LlamaForCausalLM
@@ -61,28 +60,50 @@ def load_model(
                      quantize_group=quantize_group, with_tokenizer=with_tokenizer)
 
 
-def _load(model: str, *, device: torch.device, dtype: torch.dtype, max_positions: int | None, weights: str,
-          quantize_group: int | None, with_tokenizer: bool) -> LoadedModel:
-    location = resolve_checkpoint(model)
+@dataclass
+class Vocabulary:
+    """What a checkpoint says about its tokens, read without its weights."""
+
+    arch: ModelArchConfig
+    tokenizer: Tokenizer
+
+
+def load_vocabulary(model: str) -> Vocabulary:
+    """The config and tokenizer of ``model`` (alias, HF dir or GGUF file), weights untouched: enough
+    to check that a draft shares a target's vocabulary before anything heavy is loaded."""
+    _, arch, tokenizer, _ = _read(resolve_checkpoint(model), with_tokenizer=True, native=False)
+    return Vocabulary(arch, tokenizer)
+
+
+def _read(location: CheckpointLocation, *, with_tokenizer: bool, native: bool):
+    """(location, arch, tokenizer or None, a callable returning the tensors by name)."""
     if location.format is CheckpointFormat.GGUF:
         from specfork.loading.gguf import load_gguf_tensors, open_gguf, read_gguf_config
 
         reader = open_gguf(location.path)
         arch = read_gguf_config(reader, location.path)
-        tensors = load_gguf_tensors(reader, arch, location.path, native=weights == "native")
         tokenizer = load_gguf_tokenizer(reader) if with_tokenizer else None
-    else:
-        from specfork.loading.safetensors import load_safetensors, read_hf_config
+        return location, arch, tokenizer, lambda: load_gguf_tensors(reader, arch, location.path, native=native)
+    from specfork.loading.safetensors import load_safetensors, read_hf_config
 
-        arch = read_hf_config(location.path)
-        tensors = load_safetensors(location.path)
-        tokenizer = load_hf_tokenizer(location.path) if with_tokenizer else None
-        if quantize_group is not None and device.type == "cpu" and dtype == torch.float32:
-            from specfork.layers.quantized import quantize_int4
+    arch = read_hf_config(location.path)
+    tokenizer = load_hf_tokenizer(location.path) if with_tokenizer else None
+    return location, arch, tokenizer, lambda: load_safetensors(location.path)
 
-            for name, t in list(tensors.items()):
-                if name.endswith("proj.weight") and t.dim() == 2 and t.shape[1] % quantize_group == 0:
-                    tensors[name] = quantize_int4(t, quantize_group)
+
+def _load(model: str, *, device: torch.device, dtype: torch.dtype, max_positions: int | None, weights: str,
+          quantize_group: int | None, with_tokenizer: bool) -> LoadedModel:
+    location, arch, tokenizer, read_tensors = _read(
+        resolve_checkpoint(model), with_tokenizer=with_tokenizer, native=weights == "native"
+    )
+    tensors = read_tensors()
+    if location.format is not CheckpointFormat.GGUF and quantize_group is not None and device.type == "cpu" \
+            and dtype == torch.float32:
+        from specfork.layers.quantized import quantize_int4
+
+        for name, t in list(tensors.items()):
+            if name.endswith("proj.weight") and t.dim() == 2 and t.shape[1] % quantize_group == 0:
+                tensors[name] = quantize_int4(t, quantize_group)
     if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in arch.eos_token_ids:
         from dataclasses import replace
 

@@ -7,7 +7,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from specfork.engine.sequence import Sequence
-from specfork.speculative.proposer import Proposal
+from specfork.speculative.proposer import Proposal, StatelessProposer
 
 
 def ngram_lookup(tokens: list[int], *, min_n: int, max_n: int, k: int) -> list[int]:
@@ -30,7 +30,7 @@ def ngram_lookup(tokens: list[int], *, min_n: int, max_n: int, k: int) -> list[i
     return []
 
 
-class NgramProposer:
+class NgramProposer(StatelessProposer):
     def __init__(self, *, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
 
@@ -40,9 +40,3 @@ class NgramProposer:
             for s, k in zip(seqs, num_tokens, strict=True)
         ]
         return Proposal(tokens, None)
-
-    def accepted(self, seq: Sequence) -> None:
-        pass
-
-    def release(self, seq: Sequence) -> None:
-        pass

@@ -23,16 +23,49 @@ class Proposal:
     tokens: list[list[int]]
     probs: torch.Tensor | None  # [B, k, V] float32
 
+    @classmethod
+    def of(cls, tokens: list[list[int]], probs: list[torch.Tensor | None], vocab_size: int,
+           device: torch.device) -> Proposal:
+        """A proposal from per-sequence tokens and the distributions they were drawn from
+        (``probs[i]``: [>= len(tokens[i]), >= vocab_size], or None for a greedy request), with q
+        on ``device``, the target's."""
+        if all(q is None for q in probs):
+            return cls(tokens, None)
+        k = max((len(t) for t in tokens), default=0)
+        stacked = torch.zeros(len(tokens), max(k, 1), vocab_size, device=device)
+        for i, (t, q) in enumerate(zip(tokens, probs, strict=True)):
+            if q is not None and t:
+                stacked[i, : len(t)] = q[: len(t), :vocab_size]
+        return cls(tokens, stacked)
+
 
 class Proposer(Protocol):
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
         """Propose up to ``num_tokens[i]`` tokens after the current tokens of ``seqs[i]``."""
         ...
 
-    def accepted(self, seq: Sequence) -> None:
-        """Called after verification appended tokens to ``seq``: drop any draft state past them."""
+    def accepted(self, seq: Sequence, num_accepted: int) -> None:
+        """Verification accepted ``num_accepted`` of the tokens proposed for ``seq`` and appended
+        them and one more token (the correction or bonus): drop any draft state past them."""
         ...
 
     def release(self, seq: Sequence) -> None:
         """``seq`` finished or was preempted: free everything held for it."""
         ...
+
+
+class StatelessProposer:
+    """A proposer that keeps nothing per sequence (n-gram lookup, no proposals at all)."""
+
+    def accepted(self, seq: Sequence, num_accepted: int) -> None:
+        pass
+
+    def release(self, seq: Sequence) -> None:
+        pass
+
+
+class NoProposals(StatelessProposer):
+    """Propose nothing: plain AR through the speculative step (the last-resort fallback)."""
+
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
+        return Proposal([[] for _ in seqs], None)

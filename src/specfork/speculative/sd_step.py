@@ -12,8 +12,8 @@ from specfork.engine.logprobs import logprob_entries
 from specfork.engine.model_runner import ModelRunner
 from specfork.engine.scheduler import ScheduledBatch
 from specfork.engine.sequence import Sequence
-from specfork.engine.step import NewTokens, StepHealth, sample_new_tokens, sampling_tensors
-from specfork.layers.sampler import logits_to_probs
+from specfork.engine.step import NewTokens, StepHealth, sample_new_tokens
+from specfork.sampling import filtered_probs
 from specfork.speculative.auto_k import AutoK
 from specfork.speculative.proposer import Proposal, Proposer
 from specfork.speculative.rejection import verify_greedy, verify_sampled
@@ -73,6 +73,7 @@ class SpeculativeStep:
         self.auto_k = auto_k
         self.lookahead = k
         self.max_model_len = max_model_len
+        self._accepted: dict[int, int] = {}  # seq_id -> drafts accepted in its last round
 
     def execute(self, batch: ScheduledBatch) -> dict[Sequence, NewTokens]:
         if batch.is_prefill:
@@ -93,6 +94,7 @@ class SpeculativeStep:
         for seq, props, result, (first, _) in zip(seqs, proposal.tokens, results, spans, strict=True):
             # The last committed token and the accepted proposals are now in the target cache.
             seq.num_cached_tokens += 1 + result.num_accepted
+            self._accepted[seq.seq_id] = result.num_accepted
             stats = seq.stats.setdefault("spec", SpecStats())
             stats.record(len(props), result.num_accepted, draft_s, target_s)
             if self.auto_k is not None:
@@ -109,9 +111,12 @@ class SpeculativeStep:
 
     def committed(self, seq: Sequence) -> None:
         """The engine appended this round's tokens to ``seq``."""
-        self.proposer.accepted(seq)
+        num_accepted = self._accepted.pop(seq.seq_id, None)
+        if num_accepted is not None:  # None after a prefill: nothing was proposed
+            self.proposer.accepted(seq, num_accepted)
 
     def release(self, seq: Sequence) -> None:
+        self._accepted.pop(seq.seq_id, None)
         self.proposer.release(seq)
 
     def close(self) -> None:
@@ -147,7 +152,7 @@ class SpeculativeStep:
             # Filter every verify position with its request's own settings, as AR sampling does.
             idx = torch.cat([torch.arange(spans[i][0], sum(spans[i])) for i in sampled]).to(logits.device)
             per_row = [seqs[i] for i in sampled for _ in range(spans[i][1])]
-            probs = logits_to_probs(logits.index_select(0, idx), *sampling_tensors(per_row, logits.device))
+            probs = filtered_probs(logits.index_select(0, idx), [s.params for s in per_row])
             target_probs = dict(zip(sampled, probs.split([spans[i][1] for i in sampled]), strict=True))
         argmax = logits.argmax(dim=-1).tolist()
         results = []

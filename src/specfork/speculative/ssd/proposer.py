@@ -25,11 +25,10 @@ import torch
 
 from specfork.engine.sequence import Sequence
 from specfork.engine.step import StepHealth
-from specfork.speculative.proposer import Proposal, Proposer
+from specfork.speculative.proposer import NoProposals, Proposal, Proposer
 from specfork.speculative.ssd.deadline import DrafterDeadline
-from specfork.speculative.ssd.drafter import SpecRequest
+from specfork.speculative.ssd.messages import DrafterLaunch, SpecRequest
 from specfork.speculative.ssd.transport import DrafterError, DrafterProcess
-from specfork.speculative.ssd.worker import DrafterLaunch
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +55,14 @@ class SSDStats:
     wait_s: float = 0.0
     last_hit: bool = False
 
+    def record_round(self, num_accepted: int) -> None:
+        if self.last_hit:
+            self.hit_rounds += 1
+            self.hit_emitted += num_accepted + 1
+        else:
+            self.miss_rounds += 1
+            self.miss_emitted += num_accepted + 1
+
     def as_metrics(self) -> dict:
         return {
             "ssd_requests": self.requests,
@@ -68,25 +75,13 @@ class SSDStats:
         }
 
 
-class NoProposals:
-    """The last-resort fallback: propose nothing, i.e. plain AR through the SD step."""
-
-    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
-        return Proposal([[] for _ in seqs], None)
-
-    def accepted(self, seq: Sequence) -> None:
-        pass
-
-    def release(self, seq: Sequence) -> None:
-        pass
-
-
 class SSDProposer:
     def __init__(
         self,
         launch: DrafterLaunch,
         *,
         vocab_size: int,
+        device: torch.device,
         timeout_s: float | None,
         fallback: Callable[[], Proposer],
         pin_target: Callable[[bool], None] | None = None,
@@ -99,6 +94,7 @@ class SSDProposer:
         process started earlier (its interpreter warm) and not yet launched; None starts one."""
         self.launch = launch
         self.vocab_size = vocab_size
+        self.device = device  # the target's: q is verified there
         self.deadline = DrafterDeadline(timeout_s)
         self._make_fallback = fallback
         self._pin_target = pin_target
@@ -139,21 +135,14 @@ class SSDProposer:
                 return proposal
         return self._fallback_proposer().propose(seqs, num_tokens)
 
-    def accepted(self, seq: Sequence) -> None:
-        sent = self._sent.get(seq.seq_id)
-        if sent is not None and self.drafter is not None:
-            n = len(seq.token_ids) - sent - 1
-            self._accepted[seq.seq_id] = n
+    def accepted(self, seq: Sequence, num_accepted: int) -> None:
+        if seq.seq_id in self._sent and self.drafter is not None:
+            self._accepted[seq.seq_id] = num_accepted
             stats = seq.stats.get("ssd")
             if stats is not None:
-                if stats.last_hit:
-                    stats.hit_rounds += 1
-                    stats.hit_emitted += n + 1
-                else:
-                    stats.miss_rounds += 1
-                    stats.miss_emitted += n + 1
+                stats.record_round(num_accepted)
         if self.fallback is not None:
-            self.fallback.accepted(seq)
+            self.fallback.accepted(seq, num_accepted)
 
     def release(self, seq: Sequence) -> None:
         if self._sent.pop(seq.seq_id, None) is not None:
@@ -264,13 +253,8 @@ class SSDProposer:
 
     def _proposal(self, seqs: list[Sequence], num_tokens: list[int], replies, drafter: dict, waited: float) -> Proposal:
         tokens = [r.tokens[:n] for r, n in zip(replies, num_tokens, strict=True)]
-        probs = None
-        k = max((len(t) for t in tokens), default=0)
-        if any(not s.params.greedy for s in seqs):
-            probs = torch.zeros(len(seqs), max(k, 1), self.vocab_size)
-            for i, (r, t) in enumerate(zip(replies, tokens, strict=True)):
-                if r.probs is not None and t:
-                    probs[i, : len(t)] = torch.from_numpy(r.probs[: len(t), : self.vocab_size])
+        probs = [None if r.probs is None else torch.from_numpy(r.probs) for r in replies]
+        proposal = Proposal.of(tokens, probs, self.vocab_size, self.device)
         work = drafter["answer_s"] + drafter["prepare_s"]
         for s, r in zip(seqs, replies, strict=True):
             stats = s.stats.setdefault("ssd", SSDStats())
@@ -279,7 +263,7 @@ class SSDProposer:
             stats.hits += int(stats.last_hit)
             stats.drafter_s += work
             stats.wait_s += waited
-        return Proposal(tokens, probs)
+        return proposal
 
     def close(self) -> None:
         """Stop the drafter process (and one being started); idempotent."""

@@ -14,7 +14,7 @@ import sys
 import weakref
 from multiprocessing.connection import Connection
 
-from specfork.speculative.ssd.worker import DrafterLaunch
+from specfork.speculative.ssd.messages import DrafterLaunch
 
 logger = logging.getLogger(__name__)
 

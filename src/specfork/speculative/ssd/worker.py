@@ -16,59 +16,25 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from specfork.speculative.ssd.drafter import DrafterCore, DrafterSettings, SpecReply
+from specfork.speculative.draft_loading import load_draft
+from specfork.speculative.ssd.cores import pin_process
+from specfork.speculative.ssd.drafter import DrafterCore
+from specfork.speculative.ssd.messages import DrafterLaunch, WireReply
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class DrafterLaunch:
-    draft: str
-    settings: DrafterSettings
-    device: str
-    dtype: str
-    threads: int
-    cores: tuple[int, ...] | None
-    max_positions: int
-    seed: int
-    load_options: dict
-
-
-@dataclass(slots=True)
-class WireReply:
-    """A reply as it crosses the pipe (numpy arrays pickle without shared-memory handles)."""
-
-    seq_id: int
-    source: str
-    tokens: list[int]
-    probs: np.ndarray | None
-
-    @classmethod
-    def of(cls, reply: SpecReply) -> "WireReply":
-        probs = None if reply.probs is None else reply.probs.detach().float().cpu().numpy()
-        return cls(reply.seq_id, reply.source, reply.tokens, probs)
 
 
 def drafter_main(conn) -> None:
     try:
         launch: DrafterLaunch = conn.recv()
-        if launch.cores:
-            os.sched_setaffinity(0, launch.cores)
-        torch.set_num_threads(launch.threads)
-        from specfork.loading import load_model
-
+        pin_process(launch.cores or tuple(os.sched_getaffinity(0)), launch.threads)
         device = torch.device(launch.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        loaded = load_model(
-            launch.draft, device=device, dtype=getattr(torch, launch.dtype), max_positions=launch.max_positions,
-            with_tokenizer=False, **launch.load_options,  # the drafter sees token ids only
-        )
+        loaded = load_draft(launch.draft, device)  # token ids only: no tokenizer
         core = DrafterCore(loaded.model, launch.settings, device, seed=launch.seed)
         conn.send(("ready", {"pid": os.getpid(), "threads": torch.get_num_threads()}))
     except KeyboardInterrupt:

@@ -1,0 +1,102 @@
+"""The one drafting loop: a draft model with its own paged KV cache drafts up to k tokens per
+sequence, k batched forwards, each token drawn through the one sampling module with the
+request's own settings. The SD proposer and the SSD drafter's just-in-time backup both use it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specfork.engine.block_manager import BlockManager
+from specfork.engine.model_runner import ModelRunner
+from specfork.sampling import Reshape, sample
+from specfork.sampling_params import SamplingParams
+
+
+@dataclass
+class DraftState:
+    """One sequence in the draft's KV cache: its blocks, and how many leading tokens of its
+    context (committed tokens, then its latest drafts) have valid keys/values there."""
+
+    block_table: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+    def keep(self, num_tokens: int) -> None:
+        """Only the first ``num_tokens`` tokens of the context are still valid (the rest were
+        rejected or never written)."""
+        self.num_cached_tokens = min(self.num_cached_tokens, num_tokens)
+
+
+@dataclass(slots=True)
+class Drafted:
+    """What one sequence got: its tokens and, when it samples, the distributions q they were
+    drawn from ([len(tokens), V]; None for greedy requests or no tokens)."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None
+
+
+class DraftRunner:
+    def __init__(self, model, *, vocab_size: int, num_blocks: int, block_size: int, device: torch.device) -> None:
+        """``vocab_size``: the target's vocabulary (draft rows beyond it are never proposed)."""
+        self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size, device=device)
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.vocab_size = vocab_size
+        self.device = device
+
+    def draft(
+        self,
+        states: list[DraftState],
+        contexts: list[list[int]],
+        num_tokens: list[int],
+        params: list[SamplingParams],
+        generators: list[torch.Generator],
+        reshape: Reshape | None = None,
+    ) -> list[Drafted]:
+        """Draft ``num_tokens[i]`` tokens after ``contexts[i]`` (whose first
+        ``states[i].num_cached_tokens`` tokens are already in the cache). Afterwards the cache
+        holds the context and every drafted token but the last."""
+        tokens: list[list[int]] = [[] for _ in states]
+        probs: list[list[torch.Tensor]] = [[] for _ in states]
+        active = [i for i, n in enumerate(num_tokens) if n > 0]
+        for i in active:
+            self.blocks.grow(states[i], len(contexts[i]) + num_tokens[i] - 1)
+        while active:
+            feeds = [_uncached(states[i], contexts[i], tokens[i]) for i in active]
+            # A feed longer than a round (a prompt, or a context to catch up) is a prefill pass.
+            decode = max(len(f) for f in feeds) <= max(num_tokens) + 1
+            logits = self.runner.forward(
+                [states[i] for i in active], [states[i].num_cached_tokens for i in active], feeds,
+                _last_rows(feeds), decode=decode,
+            )[:, : self.vocab_size]
+            for i, f in zip(active, feeds, strict=True):
+                states[i].num_cached_tokens += len(f)
+            draw = sample(logits, [params[i] for i in active], [generators[i] for i in active], reshape)
+            for row, i in enumerate(active):
+                tokens[i].append(draw.tokens[row])
+                q = draw.q_of(row)
+                if q is not None:
+                    probs[i].append(q)
+            active = [i for i in active if len(tokens[i]) < num_tokens[i]]
+        return [Drafted(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs, strict=True)]
+
+    def release(self, state: DraftState) -> None:
+        self.blocks.free(state)
+
+
+def _uncached(state: DraftState, context: list[int], drafted: list[int]) -> list[int]:
+    """The tokens of ``context + drafted`` from the first one not in the cache."""
+    start = state.num_cached_tokens
+    if start >= len(context):
+        return drafted[start - len(context) :]
+    return context[start:] + drafted
+
+
+def _last_rows(feeds: list[list[int]]) -> list[int]:
+    """The flat row of each feed's last token."""
+    rows, offset = [], 0
+    for f in feeds:
+        offset += len(f)
+        rows.append(offset - 1)
+    return rows

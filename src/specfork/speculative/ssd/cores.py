@@ -1,0 +1,57 @@
+"""CPU placement of SSD's two processes, in one place: the target and the drafter each get
+their own cores (by default the available cores split in halves), so neither's OpenMP threads
+spin on the other's."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from specfork.config import Config, parse_cores
+from specfork.errors import SpecforkError
+
+
+def split_cores(config: Config) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
+    """Disjoint core sets for the target and the drafter: as configured, else the available
+    cores split in halves (None, None on a machine with a single core: they share it)."""
+    available = tuple(sorted(os.sched_getaffinity(0)))
+    target = parse_cores(config.target_cores, "target_cores") if config.target_cores else None
+    drafter = parse_cores(config.draft_cores, "draft_cores") if config.draft_cores else None
+    for name, cores in (("target_cores", target), ("draft_cores", drafter)):
+        if cores is not None and not set(cores) <= set(available):
+            raise SpecforkError(f"{name} {list(cores)} are not all available to this process (available: {list(available)})")
+    if target is None and drafter is None:
+        if len(available) < 2:
+            return None, None
+        half = len(available) // 2
+        return available[:half], available[half:]
+    if target is None:
+        target = tuple(c for c in available if c not in drafter) or available
+    if drafter is None:
+        drafter = tuple(c for c in available if c not in target) or available
+    return target, drafter
+
+
+def pin_process(cores: tuple[int, ...], threads: int) -> None:
+    """Run this process on ``cores`` with ``threads`` torch threads."""
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(threads)
+
+
+class TargetPinning:
+    """``pin(True)`` keeps the target on its own cores while a drafter process runs on the
+    others; ``pin(False)`` gives it back every core it had (no drafter running)."""
+
+    def __init__(self, cores: tuple[int, ...] | None, threads: int | None) -> None:
+        self.cores = cores
+        self.threads = threads or (len(cores) if cores else None)
+        self._previous = (tuple(os.sched_getaffinity(0)), torch.get_num_threads())
+
+    def __call__(self, on: bool) -> None:
+        if self.cores is None:
+            return
+        if on:
+            pin_process(self.cores, self.threads)
+        else:
+            pin_process(*self._previous)
