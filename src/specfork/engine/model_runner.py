@@ -86,31 +86,13 @@ class ModelRunner:
         dev = self.device
         ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
-        uniform = all(n == q_max for n in q_lens)
-        pad_index = unpad_index = None
-        if not uniform:
-            pad, unpad = [], []
-            offset = 0
-            for b, n in enumerate(q_lens):
-                pad.extend(range(offset, offset + n))
-                pad.extend([offset] * (q_max - n))
-                unpad.extend(range(b * q_max, b * q_max + n))
-                offset += n
-            pad_index = torch.tensor(pad, dtype=torch.long, device=dev)
-            unpad_index = torch.tensor(unpad, dtype=torch.long, device=dev)
-        if attn_mask is not None:
-            mask = attn_mask.unsqueeze(1)
-        elif q_max == 1 and all(c == k_max for c in ctx):
-            mask = None  # every query sees every gathered key
-        else:
-            grid = [list(range(s, s + n)) + [0] * (q_max - n) for s, n in zip(starts, q_lens, strict=True)]
-            qpos = torch.tensor(grid, dtype=torch.long, device=dev)  # [B, q_max]
-            mask = (torch.arange(k_max, device=dev).view(1, 1, k_max) <= qpos.unsqueeze(2)).unsqueeze(1)
         native = decode and attn_mask is None and self.native_decode_attention
-        seq_index = None
+        seq_index = mask = pad_index = unpad_index = None
         if native:
             seq_index = torch.tensor([b for b, n in enumerate(q_lens) for _ in range(n)], dtype=torch.long, device=dev)
-            mask = pad_index = unpad_index = None
+        else:
+            mask = self._sdpa_mask(attn_mask, starts, q_lens, ctx, k_max)
+            pad_index, unpad_index = self._padding(q_lens)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
@@ -125,6 +107,33 @@ class ModelRunner:
             positions=pos_t,
         )
         return ids_t, pos_t, meta
+
+    def _sdpa_mask(self, attn_mask, starts, q_lens, ctx, k_max) -> torch.Tensor | None:
+        """[B, 1, q_max, k_max] visibility for the padded SDPA path (None: every query sees every
+        gathered key)."""
+        if attn_mask is not None:
+            return attn_mask.unsqueeze(1)
+        q_max = max(q_lens)
+        if q_max == 1 and all(c == k_max for c in ctx):
+            return None
+        grid = [list(range(s, s + n)) + [0] * (q_max - n) for s, n in zip(starts, q_lens, strict=True)]
+        qpos = torch.tensor(grid, dtype=torch.long, device=self.device)  # [B, q_max]
+        return (torch.arange(k_max, device=self.device).view(1, 1, k_max) <= qpos.unsqueeze(2)).unsqueeze(1)
+
+    def _padding(self, q_lens: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Flat rows -> [B * q_max] padded rows and back (None, None when every row has q_max)."""
+        q_max = max(q_lens)
+        if all(n == q_max for n in q_lens):
+            return None, None
+        pad, unpad = [], []
+        offset = 0
+        for b, n in enumerate(q_lens):
+            pad.extend(range(offset, offset + n))
+            pad.extend([offset] * (q_max - n))
+            unpad.extend(range(b * q_max, b * q_max + n))
+            offset += n
+        return (torch.tensor(pad, dtype=torch.long, device=self.device),
+                torch.tensor(unpad, dtype=torch.long, device=self.device))
 
     @torch.inference_mode()
     def forward(

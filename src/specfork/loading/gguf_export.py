@@ -77,6 +77,44 @@ def _copy_tokenizer_fields(writer, vocab_gguf: Path, vocab_size: int) -> None:
         writer.add_key_value(key, field.contents(), vtype, sub_type)
 
 
+def _write_config(writer, arch, name: str, file_type) -> None:
+    """The llama.* keys llama.cpp reads to build the model."""
+    writer.add_name(name)
+    for add, value in (
+        (writer.add_context_length, arch.max_position_embeddings), (writer.add_embedding_length, arch.hidden_size),
+        (writer.add_block_count, arch.num_layers), (writer.add_feed_forward_length, arch.intermediate_size),
+        (writer.add_head_count, arch.num_heads), (writer.add_head_count_kv, arch.num_kv_heads),
+        (writer.add_key_length, arch.head_dim), (writer.add_value_length, arch.head_dim),
+        (writer.add_rope_dimension_count, arch.head_dim), (writer.add_layer_norm_rms_eps, arch.rms_norm_eps),
+        (writer.add_rope_freq_base, arch.rope_theta), (writer.add_vocab_size, arch.vocab_size),
+    ):
+        add(value)
+    writer.add_file_type(file_type)
+
+
+def _write_tensors(writer, tensors: dict, arch, qtype) -> None:
+    """Every weight under its GGUF name, q/k rows permuted to llama.cpp's RoPE layout, 2-D
+    matrices quantised to ``qtype`` where their rows split into 32-value blocks."""
+    import gguf
+
+    if arch.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    for hf, w in tensors.items():
+        name = gguf_name(hf)
+        if name is None:
+            raise SpecforkError(f"export-gguf does not know where to put tensor {hf!r}")
+        w = w.float()
+        if name.endswith("attn_q.weight"):
+            w = permute_rope_rows(w, arch.num_heads)
+        elif name.endswith("attn_k.weight"):
+            w = permute_rope_rows(w, arch.num_kv_heads)
+        array = w.numpy().astype("float32")
+        if array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32 and array.shape[1] % 32 == 0:
+            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, array)
+
+
 def export_gguf(checkpoint: str | Path, output: str | Path, *, vocab_from: str | Path | None, out_type: str = "q8_0") -> Path:
     """Write the HF checkpoint directory ``checkpoint`` to ``output`` (a ``.gguf`` file).
 
@@ -121,20 +159,7 @@ def export_gguf(checkpoint: str | Path, output: str | Path, *, vocab_from: str |
 
     tmp = output.with_name(output.name + ".tmp")
     writer = gguf.GGUFWriter(str(tmp), "llama")
-    writer.add_name(location.path.name)
-    writer.add_context_length(arch.max_position_embeddings)
-    writer.add_embedding_length(arch.hidden_size)
-    writer.add_block_count(arch.num_layers)
-    writer.add_feed_forward_length(arch.intermediate_size)
-    writer.add_head_count(arch.num_heads)
-    writer.add_head_count_kv(arch.num_kv_heads)
-    writer.add_key_length(arch.head_dim)
-    writer.add_value_length(arch.head_dim)
-    writer.add_rope_dimension_count(arch.head_dim)
-    writer.add_layer_norm_rms_eps(arch.rms_norm_eps)
-    writer.add_rope_freq_base(arch.rope_theta)
-    writer.add_vocab_size(arch.vocab_size)
-    writer.add_file_type(file_type)
+    _write_config(writer, arch, location.path.name, file_type)
     if vocab_path is not None:
         _copy_tokenizer_fields(writer, vocab_path, arch.vocab_size)
     else:
@@ -143,23 +168,7 @@ def export_gguf(checkpoint: str | Path, output: str | Path, *, vocab_from: str |
             writer.add_bos_token_id(arch.bos_token_id)
         if arch.eos_token_ids:
             writer.add_eos_token_id(arch.eos_token_ids[0])
-
-    if arch.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
-    for hf, w in tensors.items():
-        name = gguf_name(hf)
-        if name is None:
-            raise SpecforkError(f"export-gguf does not know where to put tensor {hf!r}")
-        w = w.float()
-        if name.endswith("attn_q.weight"):
-            w = permute_rope_rows(w, arch.num_heads)
-        elif name.endswith("attn_k.weight"):
-            w = permute_rope_rows(w, arch.num_kv_heads)
-        array = w.numpy().astype("float32")
-        if array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32 and array.shape[1] % 32 == 0:
-            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(name, array)
+    _write_tensors(writer, tensors, arch, qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
