@@ -151,14 +151,11 @@ class LLMEngine:
 
     def close(self) -> None:
         """Release what the decoding step holds outside this process (e.g. a drafter process)."""
-        close = getattr(self.step_strategy, "close", None)
-        if close is not None:
-            close()
+        self.step_strategy.close()
 
     def health(self) -> StepHealth:
         """How the decoding step's helpers are doing (an SSD drafter that failed: degraded)."""
-        health = getattr(self.step_strategy, "health", None)
-        return health() if health is not None else StepHealth()
+        return self.step_strategy.health()
 
     def abort(self, seq: Sequence) -> None:
         if not seq.is_finished:

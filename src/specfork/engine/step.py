@@ -52,6 +52,14 @@ class Step(Protocol):
         """``seq`` finished or was preempted: free any state the step holds for it."""
         ...
 
+    def health(self) -> StepHealth:
+        """How the step's helpers are doing."""
+        ...
+
+    def close(self) -> None:
+        """Release what the step holds outside this process (e.g. a drafter process); idempotent."""
+        ...
+
 
 def sample_new_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> dict[Sequence, NewTokens]:
     """One token per row of ``logits`` [N, V] (row i belongs to ``seqs[i]``), with its
@@ -85,4 +93,10 @@ class AutoregressiveStep:
         pass
 
     def release(self, seq: Sequence) -> None:
+        pass
+
+    def health(self) -> StepHealth:
+        return StepHealth()
+
+    def close(self) -> None:
         pass
