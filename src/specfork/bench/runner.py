@@ -10,14 +10,13 @@ from __future__ import annotations
 import logging
 import os
 import platform
-import statistics
 import subprocess
-import time
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
 from specfork.bench.settings import SWEEPABLE, BenchSettings
+from specfork.bench.timing import clock, median, percentiles
 from specfork.errors import SpecforkError
 
 logger = logging.getLogger(__name__)
@@ -83,17 +82,6 @@ def machine_info() -> dict:
     }
 
 
-def _percentiles(values: list[float]) -> dict:
-    if not values:
-        return {}
-    values = sorted(values)
-
-    def pick(q: float) -> float:
-        return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
-
-    return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
-
-
 def load_prompt_ids(llm, dataset: str, settings: BenchSettings) -> list[list[int]]:
     from specfork.bench.datasets import encode, load_prompts, random_token_prompts
 
@@ -130,26 +118,26 @@ def run_specfork(mode: str, dataset: str, prompts: list[list[int]], s: BenchSett
         speeds, outputs = [], []
         for _ in range(s.repeat):
             outputs = []
-            start = time.perf_counter()
+            start = clock()
             for i in range(0, len(prompts), s.batch_size):
                 outputs.extend(llm.generate(prompts[i : i + s.batch_size], params))
                 if progress is not None:
                     progress.update(len(prompts[i : i + s.batch_size]))
-            speeds.append(sum(len(o.token_ids) for o in outputs) / (time.perf_counter() - start))
+            speeds.append(sum(len(o.token_ids) for o in outputs) / (clock() - start))
     agg = aggregate_metrics(outputs)
     result = RunResult(
         name=f"specfork {mode}",
         mode=mode,
         dataset=dataset,
         settings=_cell_settings(mode, s),
-        tok_per_s=statistics.median(speeds),
+        tok_per_s=median(speeds),
         tok_per_s_min=min(speeds),
         tok_per_s_max=max(speeds),
         tokens=agg["num_generated_tokens"],
         mean_accepted_length=agg.get("mean_accepted_length"),
         ssd_cache_hit_rate=agg.get("ssd_cache_hit_rate"),
-        latency_s=_percentiles([o.metrics["time_s"] for o in outputs]),
-        ttft_s=_percentiles([o.metrics["ttft_s"] for o in outputs if o.metrics.get("ttft_s") is not None]),
+        latency_s=percentiles([o.metrics["time_s"] for o in outputs]),
+        ttft_s=percentiles([o.metrics["ttft_s"] for o in outputs if o.metrics.get("ttft_s") is not None]),
     )
     return result, [o.token_ids for o in outputs]
 
@@ -301,18 +289,18 @@ def _time_peer(name: str, kind: str, dataset: str, prompts: list[list[int]], s: 
     speeds, outputs, latencies = [], [], []
     for _ in range(s.repeat):
         outputs, latencies = [], []
-        start = time.perf_counter()
+        start = clock()
         for i in range(0, len(prompts), s.batch_size):
-            t0 = time.perf_counter()
+            t0 = clock()
             group = generate_group(prompts[i : i + s.batch_size], s.output_len)
             outputs.extend(group)
-            latencies.extend([time.perf_counter() - t0] * len(group))
-        speeds.append(sum(len(o) for o in outputs) / (time.perf_counter() - start))
+            latencies.extend([clock() - t0] * len(group))
+        speeds.append(sum(len(o) for o in outputs) / (clock() - start))
     settings = {"output_len": s.output_len, **({"batch_size": s.batch_size} if s.batch_size > 1 else {})}
     result = RunResult(
         name=name, mode=kind, dataset=dataset, settings=settings,
-        tok_per_s=statistics.median(speeds), tok_per_s_min=min(speeds), tok_per_s_max=max(speeds),
-        tokens=sum(len(o) for o in outputs), latency_s=_percentiles(latencies),
+        tok_per_s=median(speeds), tok_per_s_min=min(speeds), tok_per_s_max=max(speeds),
+        tokens=sum(len(o) for o in outputs), latency_s=percentiles(latencies),
     )
     return result, outputs
 
