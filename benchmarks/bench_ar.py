@@ -34,7 +34,7 @@ import warnings
 import torch
 
 from specfork import LLM, SamplingParams
-from specfork.bench.datasets import encode, load_prompts
+from specfork.datasets import encode, load_prompts
 from specfork.layers.cpu_kernels import kernels as native_kernels
 from specfork.layers.linear import DenseLinear
 from specfork.layers.norm import RMSNorm

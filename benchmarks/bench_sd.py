@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import torch
 
 from specfork import LLM, SamplingParams
-from specfork.bench.datasets import encode, load_prompts
+from specfork.datasets import encode, load_prompts
 from specfork.loading.resolve import resolve_checkpoint
 from specfork.outputs import aggregate_metrics
 

@@ -83,7 +83,7 @@ def machine_info() -> dict:
 
 
 def load_prompt_ids(llm, dataset: str, settings: BenchSettings) -> list[list[int]]:
-    from specfork.bench.datasets import encode, load_prompts, random_token_prompts
+    from specfork.datasets import encode, load_prompts, random_token_prompts
 
     if dataset == "random":
         return random_token_prompts(settings.num_prompts, settings.input_len, llm.engine.loaded.arch.vocab_size,

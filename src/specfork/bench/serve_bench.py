@@ -75,7 +75,7 @@ def _requests(settings: ServeBenchSettings, vocab_size: int) -> list[dict]:
         rng = random.Random(settings.seed)
         return [{"prompt": [rng.randrange(vocab_size) for _ in range(settings.input_len)], **common}
                 for _ in range(settings.num_prompts)]
-    from specfork.bench.datasets import load_prompts
+    from specfork.datasets import load_prompts
 
     prompts = load_prompts("sharegpt", "eval", settings.num_prompts)
     if len(prompts) < settings.num_prompts:
