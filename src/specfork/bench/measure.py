@@ -28,6 +28,7 @@ class RunResult:
     latency_s: dict = field(default_factory=dict)  # p50/p90/p99 of per-request end-to-end time
     ttft_s: dict = field(default_factory=dict)
     point: int = 0  # index of the sweep point it belongs to
+    weight_GBps: float | None = None  # --bandwidth, specfork AR: weight bytes per step x decode steps/s
 
 
 def time_passes(generate_group: Callable[[list[list[int]]], list], prompts: list[list[int]], s: BenchSettings,

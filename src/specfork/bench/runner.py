@@ -8,13 +8,11 @@ throughput is the median over ``repeat`` runs, with min and max.
 from __future__ import annotations
 
 import logging
-import os
-import platform
-import subprocess
 from dataclasses import asdict, replace
 
 import torch
 
+from specfork.bench.machine import decode_steps_per_s, machine_info, read_bandwidth, weight_bytes
 from specfork.bench.measure import RunResult, throughput, time_passes
 from specfork.bench.peers import run_peer
 from specfork.bench.settings import SWEEPABLE, BenchSettings
@@ -45,24 +43,6 @@ def parse_sweep(spec: str | None) -> list[dict]:
     for axis in axes:
         grid = [{**point, name: value} for point in grid for name, value in axis]
     return grid
-
-
-def machine_info() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    return {
-        "cpu": cpu,
-        "cores": len(os.sched_getaffinity(0)),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "commit": commit or None,
-    }
 
 
 def load_prompt_ids(llm, dataset: str, settings: BenchSettings) -> list[list[int]]:
@@ -100,6 +80,7 @@ def run_specfork(mode: str, dataset: str, prompts: list[list[int]], s: BenchSett
             llm.generate(prompts[: s.batch_size], replace(params, max_tokens=min(16, s.output_len)))
         speeds, outputs, _ = time_passes(lambda group: llm.generate(group, params), prompts, s,
                                          count=lambda o: len(o.token_ids), progress=progress)
+        step_bytes = weight_bytes(llm.engine.loaded.model)["weights"] if s.bandwidth and mode == "ar" else None
     agg = aggregate_metrics(outputs)
     result = RunResult(
         name=f"specfork {mode}",
@@ -113,6 +94,9 @@ def run_specfork(mode: str, dataset: str, prompts: list[list[int]], s: BenchSett
         latency_s=percentiles([o.metrics["time_s"] for o in outputs]),
         ttft_s=percentiles([o.metrics["ttft_s"] for o in outputs if o.metrics.get("ttft_s") is not None]),
     )
+    steps_per_s = decode_steps_per_s([o.metrics for o in outputs]) if step_bytes else None
+    if steps_per_s:
+        result.weight_GBps = step_bytes * steps_per_s / 1e9
     return result, [o.token_ids for o in outputs]
 
 
@@ -133,6 +117,7 @@ def run_benchmark(settings: BenchSettings, sweep: list[dict], progress: bool = T
 
     if settings.threads:
         torch.set_num_threads(settings.threads)
+    bandwidth = {"before": read_bandwidth()} if settings.bandwidth else None
     points = [(replace(settings, **{k: v for k, v in p.items() if k != "dataset"}), p) for p in sweep]
     cells = [(i, pt, d) for i, (pt, p) in enumerate(points)
              for d in ([p["dataset"]] if "dataset" in p else pt.datasets)]
@@ -174,8 +159,13 @@ def run_benchmark(settings: BenchSettings, sweep: list[dict], progress: bool = T
                 result.point = index
                 results.append(result)
     bar.close()
+    machine = machine_info()
+    if bandwidth is not None:  # the machine's bandwidth varies from one minute to the next: keep the higher
+        bandwidth["after"] = read_bandwidth()
+        machine["read_GBps"] = max(bandwidth["before"]["read_GBps"], bandwidth["after"]["read_GBps"])
+        machine["bandwidth"] = bandwidth
     return {
-        "machine": machine_info(),
+        "machine": machine,
         "settings": asdict(settings),
         "sweep": sweep,
         "results": [asdict(r) for r in results],
