@@ -198,3 +198,16 @@ def test_weight_bytes_and_decode_step_rate():
     counted = weight_bytes(Tiny())
     assert counted["linear"] == (12 + 3) * 4 and counted["norms"] == 0 and counted["weights"] == 60
     assert counted["kv_per_context_token"] == 2 * 2 * 1 * 4 * 4  # K and V, fp32; the embedding is left out
+
+
+def test_forward_ms_times_a_forward_after_a_prefilled_context(tiny):
+    from specfork import LLM
+    from specfork.bench.forward import forward_ms, prefilled
+
+    with LLM(tiny, threads=2, kv_cache_tokens=128) as llm:
+        free = llm.engine.block_manager.num_free_blocks
+        assert forward_ms(llm, context=8, rows=3, repeat=2, warmup=1) > 0
+        with prefilled(llm, context=8, max_rows=2) as forward:
+            forward(1)
+            forward(2)  # again at the same positions
+        assert llm.engine.block_manager.num_free_blocks == free  # the sequence's blocks are given back
