@@ -9,6 +9,10 @@ Prints:
      generate` until its first streamed byte and until it exits, and an SSD server until /health
      answers 200;
   2. the phases of loading the model in one process (what the first token waits for).
+
+It imports nothing from specfork, so it can time an older checkout through PYTHONPATH
+(`--skip-phases`); its clock and median are those of `specfork/bench/timing.py`
+(`time.perf_counter`; `statistics.median` equals the interpolated 50th percentile).
 """
 
 from __future__ import annotations

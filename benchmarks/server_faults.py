@@ -26,7 +26,6 @@ import platform
 import signal
 import sys
 import threading
-import time
 import urllib.request
 from pathlib import Path
 
@@ -36,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from servers import running_server  # noqa: E402  (the test suite's server launcher)
 
 from specfork import LLM, SamplingParams  # noqa: E402
+from specfork.bench.timing import clock  # noqa: E402
 
 MODEL = "smollm2-135m"
 BASES = ["def fibonacci(n):", "The capital of France is", "import numpy as np\n\ndef normalize(x):",
@@ -63,9 +63,9 @@ async def streams(url: str, texts: list[str], max_tokens: int) -> list[str | Exc
 
 def load_phase(mode: str, texts: list[str], expected: list[str], max_tokens: int) -> dict:
     with running_server("--mode", mode, *COMMON) as server:
-        started = time.monotonic()
+        started = clock()
         results = asyncio.run(asyncio.wait_for(streams(server.url, texts, max_tokens), 900))
-        elapsed = time.monotonic() - started
+        elapsed = clock() - started
     errors = [r for r in results if isinstance(r, Exception)]
     return {"mode": mode, "streams": len(texts), "completed": len(texts) - len(errors), "errors": len(errors),
             "outputs_correct": sum(r == e for r, e in zip(results, expected, strict=True)),
@@ -152,14 +152,14 @@ def drafter_phase() -> dict:
         stopped_at = None
         try:
             for _ in stream:
-                arrivals.append(time.monotonic())
+                arrivals.append(clock())
                 if len(arrivals) == 5:
                     os.kill(drafter.pid, signal.SIGSTOP)
-                    stopped_at = time.monotonic()
-            deadline = time.monotonic() + 300
-            while json.loads(server.get("/health")[1])["status"] != "ok" and time.monotonic() < deadline:
+                    stopped_at = clock()
+            deadline = clock() + 300
+            while json.loads(server.get("/health")[1])["status"] != "ok" and clock() < deadline:
                 client.completions.create(model=MODEL, prompt="Hello", max_tokens=4)
-            recovered = time.monotonic() - stopped_at
+            recovered = clock() - stopped_at
         finally:
             if drafter.is_running():
                 os.kill(drafter.pid, signal.SIGCONT)
@@ -180,7 +180,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     texts = prompts(args.streams)
-    started = time.monotonic()
+    started = clock()
     offline = LLM(deterministic=True, max_model_len=1024)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     expected = [o.text for o in offline.generate(texts, params)]
@@ -196,7 +196,7 @@ def main() -> None:
     print(json.dumps({"shutdown": report["shutdown"]}), flush=True)
     report["drafter_stall"] = drafter_phase()
     print(json.dumps({"drafter_stall": report["drafter_stall"]}), flush=True)
-    report["total_seconds"] = time.monotonic() - started
+    report["total_seconds"] = clock() - started
     print(f"total {report['total_seconds']:.0f} s")
     if args.out is not None:
         args.out.write_text(json.dumps(report, indent=2) + "\n")

@@ -147,3 +147,67 @@ def test_bench_cli_sweep_and_all_rows(tiny, tmp_path, capsys):
     ks = sorted(r["settings"]["k"] for r in report["results"] if r["mode"] == "sd")
     assert ks == [2, 4]
     assert "specfork sd k=2" in capsys.readouterr().out
+
+
+def test_bench_cli_bandwidth_adds_weight_bandwidth_columns(tiny, tmp_path, capsys, monkeypatch):
+    from specfork.bench import runner
+
+    measured = iter([{"read_GBps": 10.0, "copy_GBps": 9.0}, {"read_GBps": 20.0, "copy_GBps": 18.0}])
+    monkeypatch.setattr(runner, "read_bandwidth", lambda: next(measured))  # before, after: no 1 GiB sums here
+    out = tmp_path / "bw"
+    code = main(["bench", "--model", tiny, "--draft", tiny, "--modes", "ar,sd", "--datasets", "random",
+                 "--input-len", "8", "--num-prompts", "2", "--output-len", "6", "--warmup", "0",
+                 "--bandwidth", "--out", str(out), "--no-progress"])
+    assert code == 0
+    report = json.loads((out / "results.json").read_text())
+    assert report["machine"]["read_GBps"] == 20.0  # the higher of before and after
+    assert report["machine"]["bandwidth"]["before"]["read_GBps"] == 10.0
+    rows = {r["mode"]: r for r in report["results"]}
+    assert rows["ar"]["weight_GBps"] > 0 and rows["sd"]["weight_GBps"] is None  # AR runs only
+    header = capsys.readouterr().out.splitlines()[0].split()
+    assert header[-2:] == ["wGB/s", "%bw"]
+    cells = {row[0].split()[1]: row[len(COLUMNS):] for row in table_rows(report)}
+    assert cells["ar"] == [f"{rows['ar']['weight_GBps']:.1f}", f"{rows['ar']['weight_GBps'] / 20.0:.0%}"]
+    assert cells["sd"] == ["-", "-"]
+    assert "Read bandwidth of this machine: 20.0 GB/s" in (out / "results.md").read_text()
+
+
+def test_no_bandwidth_columns_by_default(tiny):
+    report = run_benchmark(_settings(tiny, modes=("ar",), repeat=1, warmup=0), [{}], progress=False)
+    assert "read_GBps" not in report["machine"] and report["results"][0]["weight_GBps"] is None
+    assert format_table(report).splitlines()[0].split()[-2:] == ["p99", "s"]  # the columns end as before
+
+
+def test_weight_bytes_and_decode_step_rate():
+    from specfork.bench.machine import decode_steps_per_s, weight_bytes
+    from specfork.layers.linear import DenseLinear
+
+    # pooled over requests: (10 + 20) steps in (10 * 0.1 + 20 * 0.2) s; a one-token request has no TPOT
+    metrics = [{"num_generated_tokens": 11, "tpot_s": 0.1}, {"num_generated_tokens": 21, "tpot_s": 0.2},
+               {"num_generated_tokens": 1, "tpot_s": None}]
+    assert decode_steps_per_s(metrics) == pytest.approx(6.0)
+    assert decode_steps_per_s([{"num_generated_tokens": 1, "tpot_s": None}]) is None
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = DenseLinear(torch.zeros(3, 4), torch.zeros(3))
+            self.embed_tokens = torch.nn.Embedding(100, 4)
+            self.config = type("C", (), {"num_layers": 2, "num_kv_heads": 1, "head_dim": 4})()
+
+    counted = weight_bytes(Tiny())
+    assert counted["linear"] == (12 + 3) * 4 and counted["norms"] == 0 and counted["weights"] == 60
+    assert counted["kv_per_context_token"] == 2 * 2 * 1 * 4 * 4  # K and V, fp32; the embedding is left out
+
+
+def test_forward_ms_times_a_forward_after_a_prefilled_context(tiny):
+    from specfork import LLM
+    from specfork.bench.forward import forward_ms, prefilled
+
+    with LLM(tiny, threads=2, kv_cache_tokens=128) as llm:
+        free = llm.engine.block_manager.num_free_blocks
+        assert forward_ms(llm, context=8, rows=3, repeat=2, warmup=1) > 0
+        with prefilled(llm, context=8, max_rows=2) as forward:
+            forward(1)
+            forward(2)  # again at the same positions
+        assert llm.engine.block_manager.num_free_blocks == free  # the sequence's blocks are given back

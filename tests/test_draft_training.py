@@ -56,7 +56,7 @@ def _job(target, tmp_path, epochs=12.0, **train):
 
 
 def test_training_prompts_come_from_the_train_split_only():
-    from specfork.bench.datasets import load_prompts
+    from specfork.datasets import load_prompts
 
     prompts = training_prompts(200, seed=0, code_fraction=0.5)
     assert len(prompts) == 200

@@ -15,7 +15,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from specfork import LLM
-from specfork.bench.datasets import load_prompts
+from specfork.datasets import load_prompts
 from specfork.loading import gguf_file, resolve_checkpoint
 from specfork.loading.gguf_file import GGUFFile
 from specfork.loading.tokenizer import byte_alphabet, load_gguf_tokenizer

@@ -271,7 +271,7 @@ def _add_bench_serve_parser(sub) -> None:
 
 
 def _add_bench_parser(sub) -> None:
-    from specfork.bench.settings import DATASETS, MODES, PEERS, SWEEPABLE
+    from specfork.bench.settings import DATASETS, MODES, PEERS, SWEEPABLE, BenchSettings
 
     p = sub.add_parser(
         "bench",
@@ -305,6 +305,8 @@ def _add_bench_parser(sub) -> None:
     p.add_argument("--draft-cores", default=None, help="SSD: the drafter's CPU cores (default: the other half)")
     p.add_argument("--peers", default="", help=f"comma list of {', '.join(PEERS)} (default: none)")
     p.add_argument("--sweep", default=None, help="grid of overrides, e.g. 'k=2,3,5;fan_out=1,3'")
+    p.add_argument("--bandwidth", action="store_true",
+                   help=BenchSettings.__dataclass_fields__["bandwidth"].metadata["help"])
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory (default: bench-results)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar (default: on)")
 
@@ -611,6 +613,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         temperature=args.temperature, k=args.k, fan_out=args.fan_out, backup=args.backup,
         batch_size=args.batch_size, threads=args.threads, repeat=args.repeat, warmup=args.warmup,
         peers=split(args.peers), target_cores=args.target_cores, draft_cores=args.draft_cores,
+        bandwidth=args.bandwidth,
     )
     report = run_benchmark(settings, parse_sweep(args.sweep), progress=args.progress)
     command = args.command_line

@@ -37,7 +37,7 @@ def with_means(report: dict) -> list[dict]:
             mean["dataset"] = "all"
             for key in ("tok_per_s", "tok_per_s_min", "tok_per_s_max"):
                 mean[key] = sum(g[key] for g in group) / len(group)
-            for key in ("mean_accepted_length", "ssd_cache_hit_rate", "match_ar"):
+            for key in ("mean_accepted_length", "ssd_cache_hit_rate", "match_ar", "weight_GBps"):
                 vals = [g[key] for g in group if g.get(key) is not None]
                 mean[key] = sum(vals) / len(vals) if vals else None
             mean["latency_s"] = {}
@@ -50,8 +50,24 @@ def peer_baselines(report: dict) -> list[str]:
     return list(dict.fromkeys(r["name"] for r in report["results"] if r["name"] in ("transformers AR", "llama.cpp AR")))
 
 
+BANDWIDTH_COLUMNS = ("wGB/s", "%bw")  # with --bandwidth: weight bandwidth reached, share of the read bandwidth
+
+
+def _read_bandwidth(report: dict) -> float | None:
+    return report.get("machine", {}).get("read_GBps")
+
+
 def columns(report: dict) -> list[str]:
-    return list(COLUMNS) + [f"vs {name}" for name in peer_baselines(report)]
+    extra = list(BANDWIDTH_COLUMNS) if _read_bandwidth(report) else []
+    return list(COLUMNS) + extra + [f"vs {name}" for name in peer_baselines(report)]
+
+
+def _bandwidth_cells(report: dict, r: dict) -> list[str]:
+    read = _read_bandwidth(report)
+    if not read:
+        return []
+    reached = r.get("weight_GBps")
+    return ["-", "-"] if reached is None else [f"{reached:.1f}", f"{reached / read:.0%}"]
 
 
 def table_rows(report: dict) -> list[list[str]]:
@@ -85,6 +101,7 @@ def table_rows(report: dict) -> list[list[str]]:
             _match_cell(r),
             _fmt(r.get("latency_s", {}).get("p50")),
             _fmt(r.get("latency_s", {}).get("p99")),
+            *_bandwidth_cells(report, r),
             *[f"{r['tok_per_s'] / peer_base(name, r):.2f}x" if peer_base(name, r) else "-"
               for name in peer_baselines(report)],
         ])
@@ -124,6 +141,7 @@ def markdown(report: dict, command: str) -> str:
         f"{s['num_prompts']} prompts per dataset, {s['output_len']} output tokens (EOS ignored), temperature "
         f"{s['temperature']}, batch size {s['batch_size']}, median of {s['repeat']} run(s) after {s['warmup']} "
         "warm-up run(s). \"= AR\": share of requests whose tokens equal specfork AR's (greedy runs).",
+        *_bandwidth_note(report),
         "",
         "| " + " | ".join(columns(report)) + " |",
         "|" + "---|" * len(columns(report)),
@@ -131,6 +149,15 @@ def markdown(report: dict, command: str) -> str:
     body = ["| " + " | ".join(row) + " |" for row in table_rows(report)]
     notes = [""] + [f"* {n}" for n in report.get("notes", [])]
     return "\n".join(head + body + notes) + "\n"
+
+
+def _bandwidth_note(report: dict) -> list[str]:
+    read = _read_bandwidth(report)
+    if not read:
+        return []
+    return ["", f"Read bandwidth of this machine: {read:.1f} GB/s (the higher of before and after the runs). "
+            "wGB/s: weight bytes read per decode step x decode steps/s (from TPOT; specfork AR runs); "
+            "%bw: its share of the read bandwidth."]
 
 
 def _number(cell: str) -> float | None:

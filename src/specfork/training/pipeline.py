@@ -77,7 +77,7 @@ def target_llm(job: TrainDraftJob):
 def acceptance_check(job: TrainDraftJob) -> dict:
     """Mean accepted length of greedy SD (k = 5) with the new draft on held-out prompts."""
     from specfork import LLM, SamplingParams
-    from specfork.bench.datasets import encode, load_prompts
+    from specfork.datasets import encode, load_prompts
     from specfork.outputs import aggregate_metrics
 
     if job.eval_prompts < 1:

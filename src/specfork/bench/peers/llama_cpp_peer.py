@@ -1,0 +1,53 @@
+"""llama.cpp (llama-cpp-python) on the same GGUF, one request at a time: AR, or prompt lookup
+(its Python API has no model-draft speculation). Greedy (top_k 1), EOS ignored, same thread count."""
+
+from __future__ import annotations
+
+import torch
+
+from specfork.bench.measure import RunResult
+from specfork.bench.peers.common import one_at_a_time, time_peer
+from specfork.bench.settings import BenchSettings
+
+KINDS = ("AR", "prompt-lookup")
+
+
+def llama_cpp_missing(settings: BenchSettings) -> str | None:
+    """Why llama.cpp cannot run these settings, or None."""
+    import importlib.util
+
+    from specfork.loading.resolve import CheckpointFormat, resolve_checkpoint
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        return "llama-cpp-python is not installed (optional peer: pip install llama-cpp-python, builds from source)"
+    if resolve_checkpoint(settings.model).format is not CheckpointFormat.GGUF:
+        return f"{settings.model} is not a GGUF file"
+    if settings.temperature > 0:
+        return "llama.cpp peer runs are greedy only"
+    return None
+
+
+def run_llama_cpp(kind: str, dataset: str, prompts: list[list[int]], s: BenchSettings) -> tuple[RunResult, list]:
+    from llama_cpp import Llama
+
+    from specfork.loading.resolve import resolve_checkpoint
+
+    path = str(resolve_checkpoint(s.model).path)
+    kwargs = {}
+    if kind == "prompt-lookup":
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        kwargs["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=10)
+    n_ctx = max(len(p) for p in prompts) + s.output_len + 16
+    threads = s.threads or torch.get_num_threads()
+    llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, verbose=False, **kwargs)
+
+    def generate(ids: list[int], n: int) -> list[int]:
+        out = []
+        for token in llm.generate(ids, top_k=1, temp=0.0, reset=True):
+            out.append(int(token))
+            if len(out) == n:
+                break
+        return out
+
+    return time_peer(f"llama.cpp {kind}", kind, dataset, prompts, s, one_at_a_time(generate))

@@ -1,0 +1,53 @@
+"""transformers ``generate`` on the same checkpoint (a GGUF dequantized to fp32): AR, prompt
+lookup and assisted generation (with the same draft) at batch 1; AR on left-padded batches."""
+
+from __future__ import annotations
+
+import torch
+
+from specfork.bench.measure import RunResult
+from specfork.bench.peers.common import one_at_a_time, time_peer
+from specfork.bench.settings import BenchSettings
+
+KINDS = ("AR", "prompt-lookup", "assisted")
+BATCHED_KINDS = ("AR",)  # prompt lookup and assisted generation take one sequence
+
+
+def _load(name: str):
+    from transformers import AutoModelForCausalLM
+
+    from specfork.loading.resolve import resolve_checkpoint
+
+    path = resolve_checkpoint(name).path
+    if path.is_dir():
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def run_transformers(kind: str, dataset: str, prompts: list[list[int]], s: BenchSettings) -> tuple[RunResult, list]:
+    from specfork.loading.resolve import resolve_checkpoint, resolve_draft
+
+    model = _load(s.model)
+    kwargs = dict(do_sample=s.temperature > 0, max_new_tokens=s.output_len, min_new_tokens=s.output_len,
+                  pad_token_id=model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0)
+    if s.temperature > 0:
+        kwargs["temperature"] = s.temperature
+    if kind == "prompt-lookup":
+        kwargs["prompt_lookup_num_tokens"] = 10
+    elif kind == "assisted":
+        kwargs["assistant_model"] = _load(resolve_draft(s.draft, resolve_checkpoint(s.model)))
+
+    def generate(ids: list[int], n: int) -> list[int]:
+        extra = {} if n == s.output_len else {"max_new_tokens": n, "min_new_tokens": n}
+        return model.generate(torch.tensor([ids]), **{**kwargs, **extra})[0, len(ids) :].tolist()
+
+    def generate_group(group: list[list[int]], n: int) -> list[list[int]]:
+        width = max(len(ids) for ids in group)  # left padding, as transformers expects for generation
+        ids = torch.tensor([[kwargs["pad_token_id"]] * (width - len(g)) + g for g in group])
+        mask = torch.tensor([[0] * (width - len(g)) + [1] * len(g) for g in group])
+        extra = {"max_new_tokens": n, "min_new_tokens": n}
+        return model.generate(ids, attention_mask=mask, **{**kwargs, **extra})[:, width:].tolist()
+
+    with torch.inference_mode():
+        group_generate = generate_group if s.batch_size > 1 else one_at_a_time(generate)
+        return time_peer(f"transformers {kind}", kind, dataset, prompts, s, group_generate)
