@@ -19,6 +19,7 @@ FORBIDDEN = {
     "serve": ("speculative", "bench", "training", "cli"),
     "config": ("speculative", "engine", "models", "layers", "serve", "bench", "training", "cli", "llm"),
     "fanout": ("speculative", "engine", "models", "layers", "serve", "bench", "training", "cli", "llm"),
+    "sampling": ("speculative", "engine", "models", "layers", "serve", "bench", "training", "cli", "llm"),
     "datasets": ("speculative", "engine", "models", "layers", "serve", "bench", "training", "cli", "llm"),
     "training": ("bench", "serve", "cli"),  # prompt sets come from specfork.datasets, shared with bench
 }
