@@ -108,7 +108,7 @@ def profile(model_name: str, weights: str, threads: int, context: int, repeat: i
         split = f"{lin:9.2f}  {att:12.2f}  {f - lin - att:8.2f}"
         print(f"  {rows:4d}  {plain:10.2f}  " + (f"{f:24.2f}  " if has_fused else "") + split)
     gen = torch.Generator().manual_seed(0)
-    decode = engine_step_ms(llm, torch.randint(0, llm.engine.loaded.arch.vocab_size, (context,), generator=gen).tolist())
+    decode = engine_step_ms(llm, torch.randint(0, llm.vocab_size, (context,), generator=gen).tolist())
     print(f"  one engine decode step (forward + sampling + scheduling): {decode:.2f} ms = {1000 / decode:.1f} tok/s")
     rate = linear_bytes / (decode / 1e3) / 1e9
     print(f"  weights streamed at that rate: {rate:.1f} GB/s = {100 * rate / bandwidth:.0f}% of the "

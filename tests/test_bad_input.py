@@ -215,3 +215,29 @@ def test_cli_prompts_file_output_in_order(tmp_path, tiny_dir):
     assert [x["token_ids"] for x in lines] == [o.token_ids for o in expected]
     assert all(set(x) == {"token_ids", "text", "metrics"} for x in lines)
     assert lines[0]["metrics"]["num_generated_tokens"] == 4
+
+
+def test_seed_is_the_engine_seed_in_generate_and_serve():
+    """--seed means the same in every engine command: the engine's seed (Config.seed)."""
+    from specfork.cli import _engine_options, build_parser
+
+    parser = build_parser()
+    for command in (["generate", "--prompt", "x"], ["serve"]):
+        assert _engine_options(parser.parse_args([*command, "--seed", "7"]))["seed"] == 7
+        assert "seed" not in _engine_options(parser.parse_args(command))  # Config's default
+
+
+def test_generate_with_a_seed_is_reproducible_and_follows_the_seed(tiny_dir, tmp_path):
+    prompts = tmp_path / "ids.jsonl"
+    prompts.write_text('{"token_ids": [1, 2, 3]}\n{"token_ids": [4, 5]}\n')
+
+    def sample(seed):
+        result = run_main("generate", "--model", str(tiny_dir), "--prompts-file", str(prompts), "--temperature", "1.0",
+                          "--max-tokens", "12", "--ignore-eos", "--seed", str(seed))
+        assert result.returncode == 0, result.stderr
+        return [json.loads(line)["token_ids"] for line in result.stdout.splitlines()]
+
+    first = sample(3)
+    assert len(first) == 2 and all(len(ids) == 12 for ids in first)
+    assert sample(3) == first
+    assert any(sample(s) != first for s in (4, 5, 6))

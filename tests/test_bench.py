@@ -134,6 +134,11 @@ def test_sweep_grid_and_errors():
         BenchSettings(modes=("ar", "eagle"))
     with pytest.raises(SpecforkError, match="random dataset needs --input-len"):
         BenchSettings(datasets=("random",))
+    assert parse_sweep("k=auto,3") == [{"k": "auto"}, {"k": 3}]
+    with pytest.raises(SpecforkError, match="k auto is for the sd and ngram modes"):
+        BenchSettings(k="auto", modes=("ar", "ssd"))
+    with pytest.raises(SpecforkError, match="k must be an integer >= 1 or auto"):
+        BenchSettings(k="three")
 
 
 def test_bench_cli_sweep_and_all_rows(tiny, tmp_path, capsys):
@@ -147,6 +152,17 @@ def test_bench_cli_sweep_and_all_rows(tiny, tmp_path, capsys):
     ks = sorted(r["settings"]["k"] for r in report["results"] if r["mode"] == "sd")
     assert ks == [2, 4]
     assert "specfork sd k=2" in capsys.readouterr().out
+
+
+def test_bench_cli_accepts_k_auto(tiny, tmp_path, capsys):
+    out = tmp_path / "auto"
+    code = main(["bench", "--model", tiny, "--modes", "ar,ngram", "--datasets", "random", "--input-len", "8",
+                 "--num-prompts", "1", "--output-len", "6", "--k", "auto", "--warmup", "0", "--out", str(out),
+                 "--no-progress"])
+    assert code == 0
+    report = json.loads((out / "results.json").read_text())
+    assert [r["settings"]["k"] for r in report["results"] if r["mode"] == "ngram"] == ["auto"]
+    assert "specfork ngram k=auto" in capsys.readouterr().out
 
 
 def test_bench_cli_bandwidth_adds_weight_bandwidth_columns(tiny, tmp_path, capsys, monkeypatch):

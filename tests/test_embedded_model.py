@@ -62,8 +62,8 @@ def hf_model(gguf_path):
 @pytest.fixture(scope="module")
 def prompts(llm) -> list[list[int]]:
     """Token ids of the 4 chat prompts, then the 4 code prompts, as specfork encodes them."""
-    chat_ids = [llm.engine.encode_chat(c) for c in CHATS]
-    code_ids = [llm.engine.encode_prompt(text) for text in humaneval_prompts(NUM_CODE)]
+    chat_ids = [llm.encode_chat(c) for c in CHATS]
+    code_ids = [llm.encode(text) for text in humaneval_prompts(NUM_CODE)]
     return chat_ids + code_ids
 
 

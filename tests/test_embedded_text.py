@@ -30,7 +30,7 @@ def test_chat_reply_is_sensible(ar_det):
 
 
 def test_stream_yields_the_final_text(ar_det):
-    ids = ar_det.engine.encode_chat([{"role": "user", "content": "Name three colors."}])
+    ids = ar_det.encode_chat([{"role": "user", "content": "Name three colors."}])
     params = SamplingParams(temperature=0.0, max_tokens=40)
     pieces = list(ar_det.stream(ids, params))
     assert len(pieces) > 3 and "".join(pieces) == ar_det.last_output.text

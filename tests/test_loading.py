@@ -36,9 +36,9 @@ def test_hf_directory_with_tokenizer_and_chat_template(tmp_path):
     assert llm.tokenizer is not None and llm.tokenizer.has_chat_template()
     messages = [{"role": "user", "content": "Hi there"}]
     expected = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    ids = llm.engine.encode_chat(messages)
+    ids = llm.encode_chat(messages)
     assert tokenizer.decode(ids) == expected
-    assert llm.engine.encode_prompt("Hello world") == tokenizer("Hello world")["input_ids"]
+    assert llm.encode("Hello world") == tokenizer("Hello world")["input_ids"]
     out = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
     assert len(out.token_ids) == 4 and isinstance(out.text, str)
 

@@ -167,7 +167,7 @@ def test_embedded_model_native_greedy_equals_fp32_except_near_ties(max_tokens):
     for prompt in prompts:
         ours = native.generate(prompt, params)[0].token_ids
         theirs = fp32.generate(prompt, params)[0].token_ids
-        ids = fp32.engine.encode_prompt(prompt)
+        ids = fp32.encode(prompt)
         logits = prefill_logits(fp32, ids + theirs)[len(ids) - 1 :]
         assert_greedy_match(ours, theirs, logits, atol=2e-2, rtol=2e-3, label=prompt)
 

@@ -100,7 +100,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--deterministic", action="store_true",
                    help="batch-invariant kernels: greedy SD output is bit-identical to AR output (slower)")
     g.add_argument("--seed", type=int, default=None,
-                   help="sampling seed of every request (default: a per-request seed derived from 0)")
+                   help="the engine's seed, the same in generate and serve: each request samples with a generator "
+                   "derived from it and the request's position, so a run is reproducible (default: 0)")
 
 
 def _timeout_value(text: str) -> float | None:
@@ -122,7 +123,8 @@ def _k_value(text: str) -> int | str:
 
 
 def _engine_options(args: argparse.Namespace) -> dict:
-    return {
+    seed = {} if args.seed is None else {"seed": args.seed}
+    return seed | {
         "device": args.device,
         "dtype": args.dtype,
         "threads": args.threads,
@@ -294,7 +296,8 @@ def _add_bench_parser(sub) -> None:
                    help="cut (keeping the end) or repeat prompts to this many tokens; required for random")
     p.add_argument("--output-len", type=int, default=256, help="generated tokens per request (default: 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="(default: 0, greedy)")
-    p.add_argument("--k", type=int, default=5, help="speculated tokens per round (default: 5)")
+    p.add_argument("--k", type=_k_value, default=5,
+                   help="speculated tokens per round, or auto (sd and ngram modes: chosen from measured costs; default: 5)")
     p.add_argument("--fan-out", type=int, default=3, help="SSD fan-out per outcome (default: 3)")
     p.add_argument("--backup", default="jit", choices=["jit", "fast"], help="SSD cache-miss backup (default: jit)")
     p.add_argument("--batch-size", type=int, default=1, help="concurrent requests (default: 1)")
@@ -415,13 +418,13 @@ def _encode_file_prompts(llm, prompts: list[dict], path: Path) -> list[list[int]
             if "prompt" in p:
                 if not isinstance(p["prompt"], str):
                     raise SpecforkError("'prompt' must be a string")
-                ids.append(llm.engine.encode_prompt(p["prompt"]))
+                ids.append(llm.encode(p["prompt"]))
             elif "messages" in p:
-                ids.append(llm.engine.encode_chat(p["messages"]))
+                ids.append(llm.encode_chat(p["messages"]))
             else:
                 if not isinstance(p["token_ids"], list):
                     raise SpecforkError("'token_ids' must be a list of integers")
-                ids.append(llm.engine.encode_prompt(p["token_ids"]))
+                ids.append(llm.encode(p["token_ids"]))
         except SpecforkError as e:
             raise type(e)(f"{path}:{p['_line']}: {e}") from None
     return ids
@@ -441,7 +444,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         top_k=args.top_k,
         max_tokens=args.max_tokens,
-        seed=args.seed,
         ignore_eos=args.ignore_eos,
         stop=tuple(args.stop),
     )
@@ -472,9 +474,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         _print_auto_k(llm)
         return 0
     if args.raw or llm.tokenizer is None or not llm.tokenizer.has_chat_template():
-        ids = llm.engine.encode_prompt(args.prompt)
+        ids = llm.encode(args.prompt)
     else:
-        ids = llm.engine.encode_chat([{"role": "user", "content": args.prompt}])
+        ids = llm.encode_chat([{"role": "user", "content": args.prompt}])
     try:
         for piece in llm.stream(ids, params):
             print(piece, end="", flush=True)
@@ -635,8 +637,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes, api_key=args.api_key or os.environ.get("SPECFORK_API_KEY") or None,
     )
     options = _engine_options(args)
-    if args.seed is not None:
-        options["seed"] = args.seed
     print(f"loading {args.model} ({args.mode}) ...", file=sys.stderr, flush=True)
     try:
         serve(lambda: LLM(args.model, **options), args.model, settings,

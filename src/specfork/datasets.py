@@ -127,5 +127,5 @@ def random_token_prompts(n: int, length: int, vocab_size: int, seed: int = 0) ->
 def encode(llm, prompt: Prompt) -> list[int]:
     """Token ids of a prompt for ``llm``: raw text as is, messages through the chat template."""
     if prompt.messages is not None:
-        return llm.engine.encode_chat(list(prompt.messages))
-    return llm.engine.encode_prompt(prompt.text)
+        return llm.encode_chat(list(prompt.messages))
+    return llm.encode(prompt.text)

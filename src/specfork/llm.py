@@ -69,6 +69,24 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def vocab_size(self) -> int:
+        """The target's vocabulary: valid token ids are 0 .. vocab_size - 1."""
+        return self.engine.loaded.arch.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt + output a request may have."""
+        return self.engine.max_model_len
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of ``prompt`` (text, tokenized as the tokenizer says, or ids, checked)."""
+        return self.engine.encode_prompt(prompt)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template."""
+        return self.engine.encode_chat(messages)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -79,7 +97,7 @@ class LLM:
         """Generate for every prompt (raw text, tokenized as the tokenizer says, or token ids).
         Outputs come back in input order."""
         batch = _as_prompt_list(prompts)
-        return self._run([self.engine.encode_prompt(p) for p in batch], sampling_params, use_tqdm)
+        return self._run([self.encode(p) for p in batch], sampling_params, use_tqdm)
 
     def chat(
         self,
@@ -91,7 +109,7 @@ class LLM:
         """Generate a reply for each conversation (a list of {role, content} messages)."""
         if isinstance(conversations, list) and conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        return self._run([self.engine.encode_chat(c) for c in conversations], sampling_params, use_tqdm)
+        return self._run([self.encode_chat(c) for c in conversations], sampling_params, use_tqdm)
 
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[str]:
         """Generate for one tokenized prompt, yielding text as it becomes final. The finished

@@ -49,7 +49,7 @@ def load_prompt_ids(llm, dataset: str, settings: BenchSettings) -> list[list[int
     from specfork.datasets import encode, load_prompts, random_token_prompts
 
     if dataset == "random":
-        return random_token_prompts(settings.num_prompts, settings.input_len, llm.engine.loaded.arch.vocab_size,
+        return random_token_prompts(settings.num_prompts, settings.input_len, llm.vocab_size,
                                     seed=settings.seed)
     ids = [encode(llm, p) for p in load_prompts(dataset, "eval", settings.num_prompts)]
     if settings.input_len is not None:

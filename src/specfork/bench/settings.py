@@ -10,7 +10,7 @@ from specfork.errors import SpecforkError
 MODES = ("ar", "sd", "ssd", "ngram")
 DATASETS = ("humaneval", "sharegpt", "random")
 PEERS = ("transformers", "llama.cpp")
-SWEEPABLE = {"k": int, "fan_out": int, "temperature": float, "input_len": int, "batch_size": int, "dataset": str}
+SWEEPABLE = {"k": lambda text: text if text == "auto" else int(text), "fan_out": int, "temperature": float, "input_len": int, "batch_size": int, "dataset": str}
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +23,7 @@ class BenchSettings:
     input_len: int | None = None
     output_len: int = 256
     temperature: float = 0.0
-    k: int = 5
+    k: int | str = 5  # or "auto" (SD and n-gram modes)
     fan_out: int = 3
     backup: str = "jit"
     batch_size: int = 1
@@ -46,7 +46,13 @@ class BenchSettings:
                 raise SpecforkError(f"unknown {name} {bad}; choose from {', '.join(allowed)}")
         if not self.modes:
             raise SpecforkError("--modes needs at least one mode")
-        for name in ("num_prompts", "output_len", "k", "fan_out", "batch_size", "repeat"):
+        if self.k == "auto":
+            if "ssd" in self.modes:
+                raise SpecforkError("k auto is for the sd and ngram modes (SSD's k also shapes the drafter's tree): "
+                                    "pass a number, or leave ssd out of --modes")
+        elif not isinstance(self.k, int) or isinstance(self.k, bool):
+            raise SpecforkError(f"k must be an integer >= 1 or auto, got {self.k!r}")
+        for name in ("num_prompts", "output_len", "fan_out", "batch_size", "repeat") + (("k",) if self.k != "auto" else ()):
             if getattr(self, name) < 1:
                 raise SpecforkError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.warmup < 0:
