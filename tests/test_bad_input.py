@@ -237,6 +237,7 @@ def test_generate_with_a_seed_is_reproducible_and_follows_the_seed(tiny_dir, tmp
         assert result.returncode == 0, result.stderr
         return [json.loads(line)["token_ids"] for line in result.stdout.splitlines()]
 
+    assert len(sample(2**70)) == 2  # any integer seeds the engine (no overflow in the generator)
     first = sample(3)
     assert len(first) == 2 and all(len(ids) == 12 for ids in first)
     assert sample(3) == first

@@ -99,6 +99,8 @@ class Config:
             raise SpecforkError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.device == "cpu" and self.dtype not in (None, "float32"):
             raise SpecforkError(f"dtype {self.dtype} is not supported on CPU; use float32")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise SpecforkError(f"seed must be an integer, got {self.seed!r}")
         _positive("block_size", self.block_size)
         _positive("kv_cache_tokens", self.kv_cache_tokens)
         _positive("max_num_seqs", self.max_num_seqs)

@@ -144,7 +144,8 @@ class LLMEngine:
         self.check_length(len(prompt_ids), params.max_tokens)
         seq_id = next(self._ids)
         gen = torch.Generator(device=self.device)
-        gen.manual_seed(params.seed if params.seed is not None else self.config.seed * 1_000_003 + seq_id)
+        # Any engine seed works: the derived seed is taken modulo 2**64 (small seeds are unchanged).
+        gen.manual_seed(params.seed if params.seed is not None else (self.config.seed * 1_000_003 + seq_id) & 0xFFFF_FFFF_FFFF_FFFF)
         seq = Sequence(seq_id, prompt_ids, params, gen)
         self.scheduler.add(seq)
         return seq
