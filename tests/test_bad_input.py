@@ -219,12 +219,14 @@ def test_cli_prompts_file_output_in_order(tmp_path, tiny_dir):
 
 def test_seed_is_the_engine_seed_in_generate_and_serve():
     """--seed means the same in every engine command: the engine's seed (Config.seed)."""
-    from specfork.cli import _engine_options, build_parser
+    from specfork.cli import build_parser
+    from specfork.cli.parser import engine_options
+    from specfork.config import Config
 
     parser = build_parser()
     for command in (["generate", "--prompt", "x"], ["serve"]):
-        assert _engine_options(parser.parse_args([*command, "--seed", "7"]))["seed"] == 7
-        assert "seed" not in _engine_options(parser.parse_args(command))  # Config's default
+        assert Config(**engine_options(parser.parse_args([*command, "--seed", "7"]))).seed == 7
+        assert engine_options(parser.parse_args(command))["seed"] == Config().seed
 
 
 def test_generate_with_a_seed_is_reproducible_and_follows_the_seed(tiny_dir, tmp_path):

@@ -14,8 +14,8 @@ from specfork.loading.gguf_file import GGUFFile
 from specfork.loading.resolve import resolve_checkpoint
 from specfork.loading.tokenizer import load_gguf_tokenizer
 from specfork.training.data import load_examples, training_prompts
-from specfork.training.pipeline import TrainDraftJob, train_draft
-from specfork.training.settings import DataSettings, DraftArch, TrainSettings
+from specfork.training.pipeline import train_draft
+from specfork.training.settings import DataSettings, DraftArch, TrainDraftJob, TrainSettings
 from specfork.training.trainer import DraftTrainer, build_draft, is_eval_example
 
 

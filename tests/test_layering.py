@@ -18,6 +18,7 @@ FORBIDDEN = {
     "speculative": ("serve", "bench", "training", "cli", "llm"),
     "serve": ("speculative", "bench", "training", "cli"),
     "config": ("speculative", "engine", "models", "layers", "serve", "bench", "training", "cli", "llm"),
+    "options": ("speculative", "engine", "models", "layers", "serve", "bench", "training", "cli", "llm"),
     "fanout": ("speculative", "engine", "models", "layers", "serve", "bench", "training", "cli", "llm"),
     "sampling": ("speculative", "engine", "models", "layers", "serve", "bench", "training", "cli", "llm"),
     "datasets": ("speculative", "engine", "models", "layers", "serve", "bench", "training", "cli", "llm"),

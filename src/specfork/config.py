@@ -6,8 +6,10 @@ from dataclasses import dataclass
 
 from specfork.errors import SpecforkError
 from specfork.fanout import parse_fanout, uniform_fanout
+from specfork.options import int_or_auto, option, seconds_or_auto
 
 DEFAULT_MODEL = "smollm2-135m"
+DTYPES = ("float32", "bfloat16", "float16")
 MODES = ("ar", "sd", "ssd")
 SSD_BACKUPS = ("jit", "fast")
 TREE_BACKENDS = ("sdpa", "fast")
@@ -18,84 +20,84 @@ QUANTIZE_GROUPS = (32, 64, 128)
 K_MAX = 8  # the most tokens k "auto" may propose in a round
 
 
+ENGINE, SPECULATIVE, SSD = "engine", "speculative decoding", "SSD (--mode ssd)"
+
+
 @dataclass(frozen=True, slots=True)
 class Config:
-    """Everything that decides how an engine is built.
+    """Everything that decides how an engine is built. Each field's help text says what it does;
+    the command line (``specfork generate|serve --help``) is generated from these fields."""
 
-    model: an alias (``smollm2-135m``), an HF model directory, or a ``.gguf`` file.
-    num_kv_blocks: KV-cache blocks of ``block_size`` tokens; None sizes the cache from
-        ``kv_cache_tokens`` (enough for that many tokens in total).
-    max_model_len: longest prompt + output; None takes the model's context length.
-    threads: torch intra-op threads on CPU; None keeps torch's default.
-    mode: "ar" (autoregressive), "sd" (speculative decoding) or "ssd" (speculative speculative
-        decoding: the draft model runs in its own process on its own cores or device and
-        pre-drafts the next round while the target verifies).
-    drafter: in SD, "draft" (a draft model, ``draft``) or "ngram" (prompt lookup, n-grams of
-        ``ngram_min``..``ngram_max`` tokens).
-    draft: the draft checkpoint; None or "default" takes the draft shipped with specfork for
-        the target (there is one for the embedded model).
-    k: tokens proposed per speculative round, or "auto" (SD only): chosen from the measured draft
-        and target step times and the acceptance observed so far (``speculative/auto_k.py``).
-    fan_out: SSD branches pre-drafted per verification outcome (uniform F).
-    fan_out_list / fan_out_list_miss: per-outcome fan-out (k + 1 entries, or "geometric:TOTAL" for
-        the paper's capped-geometric allocation) for rounds that hit / missed the cache; they
-        override fan_out; the miss list defaults to the hit list and must have the same total.
-    backup: on an SSD cache miss, "jit" (draft now) or "fast" (n-gram guess, no draft compute).
-    saguaro_x: Saguaro sampling coefficient C in (0, 1] (None: off), temperature > 0 only.
-    tree_backend: SSD tree decode attention, "sdpa" (reference, explicit mask) or "fast"
-        (per-branch block tables, the native paged kernel).
-    drafter_device: the SSD drafter's device (default: the next GPU on CUDA, the CPU otherwise).
-    target_cores / draft_cores: CPU core ids ("0", "0-3") for the two SSD processes; by default
-        the available cores are split in two halves.
-    drafter_timeout_s: an SSD drafter that does not answer within this many seconds is declared
-        failed (requests go on in-process while it restarts); None (default) follows the observed
-        round times instead (``speculative/ssd/deadline.py``: 10x the expected answer, 2 to 60 s).
-    deterministic: batch-invariant kernels, so that speculative greedy output is bit-identical
-        to AR greedy output (the default fast mode may differ at numerical near-ties).
-    weights: "native" runs a GGUF's Q4_0/Q4_1/Q8_0 matrices in their quantised form (native
-        kernel, CPU float32); "fp32" dequantises them at load. Target and draft alike.
-    quantize: "int4" quantises an HF checkpoint's projections at load (groups of
-        ``quantize_group`` = 32, 64 or 128 inputs) for the same kernel; None keeps float32.
-    """
-
-    model: str = DEFAULT_MODEL
-    device: str = "cpu"
-    dtype: str | None = None
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_tokens: int = 16384
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 4096
-    max_model_len: int | None = None
-    threads: int | None = None
-    seed: int = 0
-    mode: str = "ar"
-    drafter: str = "draft"
-    draft: str | None = None
-    k: int | str = 5
-    ngram_min: int = 1
-    ngram_max: int = 4
-    deterministic: bool = False
-    fan_out: int = 3
-    fan_out_list: str | list[int] | None = None
-    fan_out_list_miss: str | list[int] | None = None
-    backup: str = "jit"
-    saguaro_x: float | None = None
-    tree_backend: str = "fast"
-    drafter_device: str | None = None
-    target_cores: str | None = None
-    draft_cores: str | None = None
-    drafter_timeout_s: float | None = None
-    weights: str = "native"
-    quantize: str | None = None
-    quantize_group: int = 32
+    model: str = option(DEFAULT_MODEL, f"model alias, HF model directory or .gguf file (default: {DEFAULT_MODEL}, "
+                        "the embedded SmolLM2-135M-Instruct Q4_1 GGUF)", group=ENGINE)
+    device: str = option("cpu", "cpu or cuda[:N]", group=ENGINE)
+    dtype: str | None = option(None, "weight/activation dtype (default: float32; bfloat16/float16 on CUDA only)",
+                               choices=DTYPES, group=ENGINE)
+    block_size: int = option(16, "tokens per KV-cache block", group=ENGINE)
+    num_kv_blocks: int | None = option(None, "KV-cache blocks of --block-size tokens (default: enough for "
+                                       "--kv-cache-tokens)", group=ENGINE)
+    kv_cache_tokens: int = option(16384, "KV-cache capacity in tokens over all sequences", group=ENGINE)
+    max_num_seqs: int = option(32, "most sequences decoded together", group=ENGINE)
+    max_num_batched_tokens: int = option(4096, "most tokens in one forward pass; longer prompts are prefilled "
+                                         "in chunks", group=ENGINE)
+    max_model_len: int | None = option(None, "longest prompt + output (default: the model's context length, "
+                                       "capped by the KV cache)", group=ENGINE)
+    threads: int | None = option(None, "CPU threads for torch (default: torch's choice)", group=ENGINE)
+    seed: int = option(0, "the engine's seed, the same in every command: each request samples with a generator "
+                       "derived from it and the request's position, so a run is reproducible", group=ENGINE)
+    mode: str = option("ar", "ar: autoregressive; sd: speculative decoding (a drafter proposes --k tokens, the "
+                       "model verifies them in one pass; output distribution unchanged); ssd: speculative "
+                       "speculative decoding (the draft runs in its own process on its own cores or GPU and "
+                       "pre-drafts the next round for likely verification outcomes)", choices=MODES, group=SPECULATIVE)
+    drafter: str = option("draft", "SD proposer: a draft model (--draft) or n-gram prompt lookup "
+                          "(--ngram-min..--ngram-max tokens)", choices=DRAFTERS, group=SPECULATIVE)
+    draft: str | None = option(None, "draft model for --drafter draft: HF directory or .gguf file sharing the "
+                               "target's vocabulary, or 'default' (also used when omitted): the draft shipped "
+                               "with specfork for the embedded model", group=SPECULATIVE)
+    k: int | str = option(5, "tokens proposed per round, or auto (SD): chosen from the draft and target step times "
+                          "measured at start-up and the acceptance observed while generating "
+                          "(speculative/auto_k.py); the choice and its reasons are reported",
+                          parse=int_or_auto, group=SPECULATIVE)
+    ngram_min: int = option(1, "shortest n-gram matched by --drafter ngram", group=SPECULATIVE)
+    ngram_max: int = option(4, "longest n-gram matched by --drafter ngram", group=SPECULATIVE)
+    deterministic: bool = option(False, "batch-invariant kernels: greedy SD/SSD output is bit-identical to AR "
+                                 "output (the default fast mode may differ at numerical near-ties; slower)",
+                                 group=SPECULATIVE)
+    fan_out: int = option(3, "branches pre-drafted per verification outcome, uniform", group=SSD)
+    fan_out_list: str | list[int] | None = option(
+        None, "per-outcome fan-out for rounds that hit the cache: k+1 counts like 3,2,2,1,1,1, or geometric:TOTAL "
+        "for the paper's capped-geometric allocation (overrides --fan-out)", parse=str, group=SSD)
+    fan_out_list_miss: str | list[int] | None = option(
+        None, "fan-out after a round that missed the cache, same forms and total (default: the hit list)",
+        parse=str, group=SSD)
+    backup: str = option("jit", "on a cache miss: jit drafts now; fast guesses by n-gram lookup with no draft "
+                         "compute", choices=SSD_BACKUPS, group=SSD)
+    saguaro_x: float | None = option(None, "Saguaro sampling coefficient C in (0, 1] for temperature > 0 "
+                                     "(default: off)", group=SSD)
+    tree_backend: str = option("fast", "tree-decode attention: fast (per-branch block tables, the native paged "
+                               "kernel) or sdpa (reference, explicit tree mask)", choices=TREE_BACKENDS, group=SSD)
+    drafter_device: str | None = option(None, "the drafter's device (default: the next GPU on CUDA, else the CPU)",
+                                        group=SSD)
+    target_cores: str | None = option(None, "CPU cores of the target, e.g. 0 or 0-3 (default: the first half of "
+                                      "the available cores)", group=SSD)
+    draft_cores: str | None = option(None, "CPU cores of the drafter process (default: the other half)", group=SSD)
+    drafter_timeout_s: float | None = option(
+        None, "seconds to wait for the drafter before declaring it failed (requests go on in-process while it "
+        "restarts), or auto: 10x the expected answer from the observed round times, 2 to 60 s "
+        "(speculative/ssd/deadline.py) (default: auto)", parse=seconds_or_auto, flag="--drafter-timeout", group=SSD)
+    weights: str = option("native", "native: run a GGUF's Q4_0/Q4_1/Q8_0 matrices quantised (native CPU kernel, "
+                          "no per-step dequantisation); fp32: dequantise at load. Target and draft alike",
+                          choices=WEIGHTS, group=ENGINE)
+    quantize: str | None = option(None, "quantise an HF checkpoint's projections to 4 bits at load, for the same "
+                                  "kernel (default: off, float32)", choices=QUANTIZE, group=ENGINE)
+    quantize_group: int = option(32, "inputs per scale for --quantize", choices=QUANTIZE_GROUPS, group=ENGINE)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise SpecforkError("model must be a non-empty string (an alias, an HF directory or a .gguf file)")
         if self.device.split(":")[0] not in ("cpu", "cuda"):
             raise SpecforkError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+        if self.dtype is not None and self.dtype not in DTYPES:
             raise SpecforkError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.device == "cpu" and self.dtype not in (None, "float32"):
             raise SpecforkError(f"dtype {self.dtype} is not supported on CPU; use float32")

@@ -79,6 +79,12 @@ class LLM:
         """The longest prompt + output a request may have."""
         return self.engine.max_model_len
 
+    @property
+    def auto_k_choice(self) -> str | None:
+        """With ``k="auto"``: the k chosen and why (step costs, acceptance); None otherwise."""
+        auto_k = getattr(self.engine.step_strategy, "auto_k", None)
+        return auto_k.explain() if auto_k is not None else None
+
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of ``prompt`` (text, tokenized as the tokenizer says, or ids, checked)."""
         return self.engine.encode_prompt(prompt)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from specfork.errors import SpecforkError
+from specfork.options import option
 
 # The seeds a torch.Generator accepts: any 64-bit pattern, written signed or unsigned.
 SEED_MIN = -(2**63)
@@ -25,16 +26,16 @@ class SamplingParams:
     log-softmax of its logits, before temperature, top-k or top-p), in every decoding mode.
     """
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_tokens: int = 16
-    seed: int | None = None
-    ignore_eos: bool = False
-    stop: tuple[str, ...] = field(default_factory=tuple)
-    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
+    temperature: float = option(1.0, "0 = greedy")
+    top_p: float = option(1.0, "nucleus sampling mass in (0, 1]; 1 = off")
+    top_k: int = option(0, "keep the k most likely tokens; 0 = off")
+    max_tokens: int = option(16, "tokens to generate at most")
+    seed: int | None = option(None, cli=False)  # per request (the API's seed); the command line seeds the engine
+    ignore_eos: bool = option(False, "keep generating after EOS (fixed-length outputs)")
+    stop: tuple[str, ...] = option(default_factory=tuple, help="stop string (repeatable)", repeat=True)
+    stop_token_ids: tuple[int, ...] = option(default_factory=tuple, cli=False)
+    logprobs: int | None = option(None, cli=False)
+    prompt_logprobs: int | None = option(None, cli=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -17,21 +17,31 @@ from pathlib import Path
 
 from specfork.bench.timing import clock, summary
 from specfork.errors import SpecforkError
+from specfork.options import option
 
 SERVE_DATASETS = ("sharegpt", "random")
 
 
+def parse_rates(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"takes comma-separated numbers or inf, got {text!r}") from None
+
+
 @dataclass(frozen=True, slots=True)
 class ServeBenchSettings:
-    base_url: str = "http://127.0.0.1:8000"
-    label: str = "server"
-    request_rates: tuple[float, ...] = (1.0,)
-    dataset: str = "sharegpt"
-    num_prompts: int = 32
-    input_len: int = 128  # random dataset only
-    output_len: int = 128
-    seed: int = 0
-    timeout_s: float = 600.0
+    base_url: str = option("http://127.0.0.1:8000", "server address", parse=lambda text: text.rstrip("/"))
+    label: str = option("server", "name of this run in tables and plots")
+    request_rates: tuple[float, ...] = option((1.0,), "comma list of request rates in req/s; inf sends all at once",
+                                              parse=parse_rates, flag="--request-rate")
+    dataset: str = option("sharegpt", "sharegpt: held-out ShareGPT chats; random: random token ids of --input-len",
+                          choices=SERVE_DATASETS)
+    num_prompts: int = option(32, "requests per rate")
+    input_len: int = option(128, "prompt tokens for --dataset random")
+    output_len: int = option(128, "generated tokens per request (EOS ignored)")
+    seed: int = option(0, "arrival-time and random-prompt seed")
+    timeout_s: float = option(600.0, "seconds one request may take", flag="--request-timeout")
 
     def __post_init__(self) -> None:
         if self.dataset not in SERVE_DATASETS:
@@ -41,13 +51,8 @@ class ServeBenchSettings:
         for name in ("num_prompts", "input_len", "output_len"):
             if getattr(self, name) < 1:
                 raise SpecforkError(f"{name} must be >= 1, got {getattr(self, name)}")
-
-
-def parse_rates(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise SpecforkError(f"--request-rate takes comma-separated numbers or inf, got {text!r}") from None
+        if not self.timeout_s > 0:
+            raise SpecforkError(f"request timeout must be > 0 seconds, got {self.timeout_s}")
 
 
 @dataclass(slots=True)

@@ -3,41 +3,51 @@ Importing it costs nothing (no torch), so ``specfork --help`` stays fast."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from specfork.config import DEFAULT_MODEL, SSD_BACKUPS
 from specfork.errors import SpecforkError
+from specfork.options import comma_list, int_or_auto, option
 
 MODES = ("ar", "sd", "ssd", "ngram")
 DATASETS = ("humaneval", "sharegpt", "random")
 PEERS = ("transformers", "llama.cpp")
-SWEEPABLE = {"k": lambda text: text if text == "auto" else int(text), "fan_out": int, "temperature": float, "input_len": int, "batch_size": int, "dataset": str}
+SWEEPABLE = {"k": int_or_auto, "fan_out": int, "temperature": float, "input_len": int, "batch_size": int, "dataset": str}
+
+
+def dataset_list(text: str) -> tuple[str, ...]:
+    """--datasets: a comma list, or all."""
+    return DATASETS if text == "all" else comma_list(text)
 
 
 @dataclass(frozen=True, slots=True)
 class BenchSettings:
-    model: str = "smollm2-135m"
-    draft: str = "default"
-    modes: tuple[str, ...] = ("ar", "sd", "ssd", "ngram")
-    datasets: tuple[str, ...] = ("humaneval", "sharegpt")
-    num_prompts: int = 4
-    input_len: int | None = None
-    output_len: int = 256
-    temperature: float = 0.0
-    k: int | str = 5  # or "auto" (SD and n-gram modes)
-    fan_out: int = 3
-    backup: str = "jit"
-    batch_size: int = 1
-    threads: int | None = None
-    repeat: int = 1
-    warmup: int = 1
-    peers: tuple[str, ...] = ()
-    seed: int = 0
-    target_cores: str | None = None  # SSD core placement (default: halves)
-    draft_cores: str | None = None
-    bandwidth: bool = field(default=False, metadata={"help": (
+    model: str = option(DEFAULT_MODEL, "target model")
+    draft: str = option("default", "draft for sd/ssd (default: the shipped draft)")
+    modes: tuple[str, ...] = option(MODES, f"comma list of {', '.join(MODES)}", parse=comma_list)
+    datasets: tuple[str, ...] = option(("humaneval", "sharegpt"), f"comma list of {', '.join(DATASETS)}, or all; "
+                                       "with several, an 'all' row gives the mean", parse=dataset_list)
+    num_prompts: int = option(4, "prompts per dataset")
+    input_len: int | None = option(None, "cut (keeping the end) or repeat prompts to this many tokens; required "
+                                   "for random")
+    output_len: int = option(256, "generated tokens per request")
+    temperature: float = option(0.0, "0 = greedy")
+    k: int | str = option(5, "speculated tokens per round, or auto (sd and ngram modes: chosen from measured "
+                          "costs)", parse=int_or_auto)
+    fan_out: int = option(3, "SSD fan-out per outcome")
+    backup: str = option("jit", "SSD cache-miss backup", choices=SSD_BACKUPS)
+    batch_size: int = option(1, "concurrent requests")
+    threads: int | None = option(None, "torch threads for AR/SD and peers (default: torch's)")
+    repeat: int = option(1, "timed runs; the median is reported")
+    warmup: int = option(1, "untimed warm-up runs")
+    peers: tuple[str, ...] = option((), f"comma list of {', '.join(PEERS)}", parse=comma_list)
+    seed: int = option(0, "the random dataset's seed and every request's sampling seed")
+    target_cores: str | None = option(None, "SSD: the target's CPU cores (default: half of them)")
+    draft_cores: str | None = option(None, "SSD: the drafter's CPU cores (default: the other half)")
+    bandwidth: bool = option(False, (
         "measure this machine's streaming read bandwidth before and after the runs (best of 5 sums over "
         "1 GiB) and give each specfork AR run the weight bandwidth it reaches (weight bytes per decode "
-        "step x decode steps/s from the requests' TPOT) and its share of the read bandwidth")})
+        "step x decode steps/s from the requests' TPOT) and its share of the read bandwidth"))
 
     def __post_init__(self) -> None:
         for name, allowed in (("modes", MODES), ("datasets", DATASETS), ("peers", PEERS)):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from specfork.errors import SpecforkError
+from specfork.options import option
 
 if TYPE_CHECKING:
     from specfork.llm import LLM
@@ -25,14 +26,18 @@ DRAIN_MARGIN_S = 10.0  # uvicorn's own deadline, past ours: cut streams have tim
 
 @dataclass(frozen=True, slots=True)
 class ServerSettings:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    max_queue: int = 256
-    served_model_name: str | None = None
-    graceful_timeout_s: float = 30.0
-    log_level: str = "warning"
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    api_key: str | None = None
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int = option(8000, "port; 0 picks a free one")
+    max_queue: int = option(256, "requests that may wait beyond the --max-num-seqs running ones; more are refused "
+                            "with 503")
+    served_model_name: str | None = option(None, "the model name clients send (default: the --model value)")
+    graceful_timeout_s: float = option(30.0, "seconds open requests may take to finish after SIGINT/SIGTERM; then "
+                                       "they end with finish_reason abort", flag="--graceful-timeout")
+    log_level: str = option("warning", cli=False)  # the command's --log-level
+    max_request_bytes: int = option(DEFAULT_MAX_REQUEST_BYTES, "larger request bodies are refused with 413")
+    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on every /v1 route (401 otherwise); the "
+                                 "environment variable SPECFORK_API_KEY sets it without showing it in the process "
+                                 "list")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

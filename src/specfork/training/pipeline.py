@@ -10,13 +10,13 @@ from __future__ import annotations
 import logging
 import platform
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from specfork.training.data import generate_examples, training_prompts
-from specfork.training.settings import DataSettings, DraftArch, TrainSettings
+from specfork.training.settings import TrainDraftJob
 from specfork.training.trainer import (
     DraftTrainer,
     build_draft,
@@ -25,22 +25,6 @@ from specfork.training.trainer import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class TrainDraftJob:
-    target: str
-    output: Path
-    work_dir: Path
-    data: DataSettings = field(default_factory=DataSettings)
-    arch: DraftArch = field(default_factory=DraftArch)
-    train: TrainSettings = field(default_factory=TrainSettings)
-    device: str = "cpu"
-    threads: int | None = None
-    generation_batch: int = 32
-    eval_prompts: int = 4
-    eval_tokens: int = 128
-    progress: bool = True
 
 
 def generate_data(job: TrainDraftJob, llm) -> list:

@@ -3,19 +3,24 @@ Importing it costs nothing (no torch), so ``specfork --help`` stays fast."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
+from specfork.config import DEFAULT_MODEL
 from specfork.errors import SpecforkError
+from specfork.options import option
+
+DATA, ARCH, TRAIN, EVAL = 'data (target responses)', 'draft architecture', 'training', 'final evaluation'
 
 
 @dataclass(frozen=True, slots=True)
 class DataSettings:
-    num_prompts: int = 1536
-    code_fraction: float = 0.5
-    max_new_tokens: int = 256
-    max_prompt_tokens: int = 384
-    shard_size: int = 64
-    seed: int = 0
+    num_prompts: int = option(1536, "training prompts", group=DATA)
+    code_fraction: float = option(0.5, "share of code-block prompts", group=DATA)
+    max_new_tokens: int = option(256, "response length cap", group=DATA)
+    max_prompt_tokens: int = option(384, "prompts keep their last N tokens", group=DATA)
+    shard_size: int = option(64, cli=False)  # examples per data shard (what a resumed run keeps)
+    seed: int = option(0, cli=False)  # TrainSettings.seed: one --seed for data and training
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1:
@@ -28,11 +33,11 @@ class DataSettings:
 
 @dataclass(frozen=True, slots=True)
 class DraftArch:
-    hidden_size: int = 256
-    num_layers: int = 4
-    intermediate_size: int = 768
-    num_heads: int = 4
-    num_kv_heads: int = 2
+    hidden_size: int = option(256, "the draft's hidden size", group=ARCH)
+    num_layers: int = option(4, "decoder layers", flag="--layers", group=ARCH)
+    intermediate_size: int = option(768, "MLP width", group=ARCH)
+    num_heads: int = option(4, "attention heads", flag="--heads", group=ARCH)
+    num_kv_heads: int = option(2, "key/value heads", flag="--kv-heads", group=ARCH)
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "intermediate_size", "num_heads", "num_kv_heads"):
@@ -49,16 +54,17 @@ class DraftArch:
 
 @dataclass(frozen=True, slots=True)
 class TrainSettings:
-    epochs: float = 4.0
-    batch_tokens: int = 4096
-    max_seq_len: int = 640
-    lr: float = 2e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 30
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    checkpoint_every: int = 50
-    seed: int = 0
+    epochs: float = option(4.0, "passes over the data", group=TRAIN)
+    batch_tokens: int = option(4096, "padded tokens per optimizer step", group=TRAIN)
+    max_seq_len: int = option(640, "longest training sequence in tokens", group=TRAIN)
+    lr: float = option(2e-3, "peak learning rate, cosine decay", group=TRAIN)
+    min_lr_ratio: float = option(0.1, "the learning rate's floor, as a share of --lr", group=TRAIN)
+    warmup_steps: int = option(30, "linear learning-rate warm-up steps", group=TRAIN)
+    weight_decay: float = option(0.01, "AdamW weight decay", group=TRAIN)
+    grad_clip: float = option(1.0, "gradient-norm clip", group=TRAIN)
+    checkpoint_every: int = option(50, "steps between checkpoints (an interrupted run resumes from the last)",
+                                   group=TRAIN)
+    seed: int = option(0, "data order, prompt selection and init", group=TRAIN)
 
     def __post_init__(self) -> None:
         if not self.epochs > 0:
@@ -71,3 +77,32 @@ class TrainSettings:
             raise SpecforkError(f"lr must be > 0, got {self.lr}")
         if self.checkpoint_every < 1:
             raise SpecforkError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
+
+
+@dataclass(frozen=True, slots=True)
+class TrainDraftJob:
+    """One ``specfork train-draft`` run: the target, where the draft goes and the settings."""
+
+    target: str = option(DEFAULT_MODEL, "target model")
+    output: Path | None = option(None, "directory for the trained draft (HF format; required)", parse=Path)
+    work_dir: Path | None = option(None, "data shards and checkpoints (default: OUTPUT.work)", parse=Path)
+    data: DataSettings = field(default_factory=DataSettings, metadata={"cli": False})
+    arch: DraftArch = field(default_factory=DraftArch, metadata={"cli": False})
+    train: TrainSettings = field(default_factory=TrainSettings, metadata={"cli": False})
+    device: str = option("cpu", "cpu or cuda[:N]")
+    threads: int | None = option(None, "torch threads on CPU (default: torch's choice)")
+    generation_batch: int = option(32, "concurrent generation requests", group=DATA)
+    eval_prompts: int = option(4, "held-out HumanEval and ShareGPT prompts for the SD acceptance check; 0 skips it",
+                               group=EVAL)
+    eval_tokens: int = option(128, "tokens per evaluation prompt", group=EVAL)
+    progress: bool = option(True, "progress bars")
+
+    def __post_init__(self) -> None:
+        if self.output is None:
+            raise SpecforkError("train-draft needs an output directory (--output)")
+        object.__setattr__(self, "output", Path(self.output))
+        if self.work_dir is None:
+            object.__setattr__(self, "work_dir", self.output.with_name(self.output.name + ".work"))
+        object.__setattr__(self, "work_dir", Path(self.work_dir))
+        if self.generation_batch < 1 or self.eval_tokens < 1 or self.eval_prompts < 0:
+            raise SpecforkError("generation_batch and eval_tokens must be >= 1, eval_prompts >= 0")

@@ -1,0 +1,61 @@
+"""The ``specfork`` command line: one module per command, each with ``HELP``, ``DESCRIPTION``
+(and ``EPILOG``), ``add_arguments(parser)`` when it takes options, and ``run(args)``.
+The only package that prints, reads the environment or configures logging. Importing it loads
+no torch, so ``specfork --help`` answers at once."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shlex
+import sys
+
+from specfork.cli import bench, bench_serve, build_kernels, export_gguf, generate, models, serve, train_draft
+from specfork.cli.parser import EXIT_BAD_INPUT, Parser
+from specfork.errors import SpecforkError
+
+COMMANDS = {
+    "generate": generate,
+    "serve": serve,
+    "bench": bench,
+    "bench-serve": bench_serve,
+    "train-draft": train_draft,
+    "export-gguf": export_gguf,
+    "models": models,
+    "build-kernels": build_kernels,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(
+        prog="specfork",
+        description="specfork: exact speculative decoding (AR, SD and SSD). "
+        "Run `specfork generate` to generate with the embedded SmolLM2-135M model.",
+    )
+    parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, command in COMMANDS.items():
+        epilog = getattr(command, "EPILOG", None)
+        p = sub.add_parser(name, help=command.HELP, description=command.DESCRIPTION, epilog=epilog,
+                           formatter_class=argparse.RawDescriptionHelpFormatter if epilog else argparse.HelpFormatter)
+        if hasattr(command, "add_arguments"):
+            command.add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.command_line = shlex.join(["specfork", *(sys.argv[1:] if argv is None else argv)])
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.command is None:
+        parser.print_help()
+        return EXIT_BAD_INPUT
+    try:
+        return COMMANDS[args.command].run(args)
+    except SpecforkError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,104 @@
+"""The command line is generated from the settings dataclasses: every field's option exists,
+its default is the field's default, bad values are one-line errors, and parsed values build
+the settings object."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from specfork.bench.serve_bench import ServeBenchSettings
+from specfork.bench.settings import BenchSettings
+from specfork.cli import build_parser, main, schema
+from specfork.cli.parser import engine_options
+from specfork.config import Config
+from specfork.sampling_params import SamplingParams
+from specfork.serve.server import ServerSettings
+from specfork.training.settings import DataSettings, DraftArch, TrainDraftJob, TrainSettings
+
+
+def _parse(*argv):
+    return build_parser().parse_args(list(argv))
+
+
+def test_engine_defaults_are_configs_defaults():
+    for command in ("generate", "serve"):
+        assert Config(**engine_options(_parse(command))) == Config()
+
+
+def test_every_config_field_is_an_option_of_generate_and_serve():
+    for command in ("generate", "serve"):
+        args = _parse(command)
+        assert {f.name for f in dataclasses.fields(Config)} <= set(vars(args)), command
+
+
+@pytest.mark.parametrize("argv, field, value", [
+    (["--k", "auto"], "k", "auto"),
+    (["--k", "3"], "k", 3),
+    (["--drafter-timeout", "auto"], "drafter_timeout_s", None),
+    (["--drafter-timeout", "2.5"], "drafter_timeout_s", 2.5),
+    (["--deterministic"], "deterministic", True),
+    (["--fan-out-list", "geometric:6"], "fan_out_list", "geometric:6"),
+    (["--quantize", "int4", "--quantize-group", "64"], "quantize_group", 64),
+    (["--seed", "11"], "seed", 11),
+    (["--mode", "ssd", "--backup", "fast"], "backup", "fast"),
+])
+def test_engine_options_reach_the_config(argv, field, value):
+    config = Config(**engine_options(_parse("generate", *argv)))
+    assert getattr(config, field) == value
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["generate", "--mode", "tree"], "argument --mode: invalid choice: 'tree'"),
+    (["generate", "--k", "many"], "must be an integer or auto, got 'many'"),
+    (["serve", "--drafter-timeout", "soon"], "must be a number of seconds or auto, got 'soon'"),
+    (["generate", "--quantize-group", "48"], "argument --quantize-group: invalid choice: 48"),
+    (["bench", "--backup", "slow"], "argument --backup: invalid choice: 'slow'"),
+    (["bench-serve", "--request-rate", "1,fast"], "takes comma-separated numbers or inf, got '1,fast'"),
+])
+def test_bad_option_values_are_one_line_errors(argv, expected, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert expected in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_other_commands_default_to_their_settings_defaults():
+    args = _parse("bench")
+    assert BenchSettings(**schema.values(args, BenchSettings)) == BenchSettings()
+    args = _parse("bench-serve")
+    assert ServeBenchSettings(**schema.values(args, ServeBenchSettings)) == ServeBenchSettings()
+    args = _parse("serve")
+    assert ServerSettings(**schema.values(args, ServerSettings)) == ServerSettings()
+    args = _parse("train-draft", "--output", "d")
+    for settings in (DataSettings, DraftArch, TrainSettings):
+        assert settings(**schema.values(args, settings)) == settings()
+    assert TrainDraftJob(**schema.values(args, TrainDraftJob)).work_dir.name == "d.work"
+
+
+def test_command_specific_defaults_and_lists():
+    args = _parse("generate", "--stop", "a", "--stop", "b")
+    params = SamplingParams(**schema.values(args, SamplingParams))
+    assert (params.temperature, params.max_tokens, params.stop) == (0.0, 256, ("a", "b"))  # greedy by default
+    assert SamplingParams(**schema.values(_parse("generate"), SamplingParams)).stop == ()
+    args = _parse("bench", "--datasets", "all", "--input-len", "8", "--modes", "ar, sd", "--k", "auto")
+    settings = BenchSettings(**schema.values(args, BenchSettings))
+    assert (settings.datasets, settings.modes, settings.k) == (("humaneval", "sharegpt", "random"), ("ar", "sd"), "auto")
+    args = _parse("train-draft", "--output", "d", "--layers", "2", "--kv-heads", "1")
+    assert DraftArch(**schema.values(args, DraftArch)) == DraftArch(num_layers=2, num_kv_heads=1)
+    args = _parse("bench-serve", "--request-rate", "1,inf", "--base-url", "http://h:1/")
+    settings = ServeBenchSettings(**schema.values(args, ServeBenchSettings))
+    assert (settings.request_rates, settings.base_url) == ((1.0, float("inf")), "http://h:1")
+
+
+def test_a_field_the_command_line_cannot_read_is_refused_when_the_parser_is_built():
+    @dataclasses.dataclass
+    class Odd:
+        points: list[int] = dataclasses.field(default_factory=list)
+
+    import argparse
+
+    with pytest.raises(TypeError, match="points"):
+        schema.add_options(argparse.ArgumentParser(), Odd)
