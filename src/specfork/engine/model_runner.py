@@ -41,6 +41,17 @@ class ModelRunner:
             torch.zeros(2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
             for _ in range(cfg.num_layers)
         ]
+        self.feature_layers: tuple[int, ...] = ()
+        # With feature_layers set: the features of every token the last pass computed, [T, n * hidden]
+        # in the pass's flat token order (LlamaForCausalLM.forward's capture); valid until the next pass.
+        self.features: torch.Tensor | None = None
+
+    def capture_features(self, layers: tuple[int, ...]) -> None:
+        """From now on, keep the inputs of ``layers`` of every pass in ``features`` (for a drafter
+        that reads the target's features); nothing is captured or paid for without it."""
+        if any(not 0 <= i < self.model.config.num_layers for i in layers):
+            raise ValueError(f"feature layers {list(layers)} outside 0..{self.model.config.num_layers - 1}")
+        self.feature_layers = tuple(layers)
 
     def prepare(
         self,
@@ -153,8 +164,13 @@ class ModelRunner:
         use batch-invariant attention in deterministic mode (prefill passes never need it)."""
         invariant = self.deterministic and decode
         ids, pos, meta = self.prepare(seqs, starts, token_lists, attn_mask, invariant, decode, layout)
-        hidden = self.model(ids, pos, self.kv_caches, meta)
-        return self._logits(hidden, logits_rows)
+        return self._logits(self._run(ids, pos, meta), logits_rows)
+
+    def _run(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if not self.feature_layers:
+            return self.model(ids, pos, self.kv_caches, meta)
+        hidden, self.features = self.model(ids, pos, self.kv_caches, meta, self.feature_layers)
+        return hidden
 
     def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         if len(rows) != hidden.shape[0]:
@@ -174,7 +190,7 @@ class ModelRunner:
                 rows.append(offset - 1)
         decode = not batch.is_prefill
         ids, pos, meta = self.prepare(batch.seqs, starts, tokens, None, self.deterministic and decode, decode)
-        hidden = self.model(ids, pos, self.kv_caches, meta)
+        hidden = self._run(ids, pos, meta)
         if batch.is_prefill and any(s.params.prompt_logprobs is not None for s in batch.seqs):
             record_prompt_logprobs(self.model.compute_logits, hidden, batch.seqs, starts, batch.num_new_tokens)
         logits = self._logits(hidden, rows)

@@ -119,13 +119,23 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """Hidden states after the final norm, [T, hidden]."""
+        capture: tuple[int, ...] = (),
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states after the final norm, [T, hidden]. With ``capture`` (layer indices),
+        also the features a feature-reading drafter (EAGLE-3) needs: the input of each listed
+        layer (the residual stream after the layers before it), concatenated in the listed
+        order, [T, len(capture) * hidden]. Capturing changes nothing that is computed."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary.at(positions)
-        for layer, cache in zip(self.layers, kv_caches, strict=True):
+        features = []
+        for index, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if index in capture:
+                features.append(x)
             x = layer(x, rope, cache, meta)
-        return self.norm(x)
+        if not capture:
+            return self.norm(x)
+        order = sorted(capture)
+        return self.norm(x), torch.cat([features[order.index(i)] for i in capture], dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
