@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -50,7 +51,8 @@ def _job(target, root) -> TrainDraftJob:
     return TrainDraftJob(
         target=str(target), kind="eagle3", output=root / "head", work_dir=root / "work",
         train=TrainSettings(epochs=6.0, batch_tokens=128, max_seq_len=48, lr=3e-3, warmup_steps=2, checkpoint_every=8),
-        eagle3=Eagle3Settings(ttt_steps=TTT_STEPS, draft_vocab=DRAFT_VOCAB, feature_batch=4, shard_size=8),
+        eagle3=Eagle3Settings(ttt_steps=TTT_STEPS, draft_vocab=DRAFT_VOCAB, feature_batch=4, shard_size=8,
+                              precision="fp32"),
         threads=2, eval_prompts=0, progress=False,
     )
 
@@ -124,6 +126,26 @@ def test_interrupted_training_resumes_to_the_same_weights(trained, examples, tar
     assert [r["loss"] for r in resumed.history] == [r["loss"] for r in straight.history]
     for (name, a), b in zip(straight.head.state_dict().items(), resumed.head.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_bfloat16_matrix_products_train_close_to_float32(trained, examples, target, tmp_path):
+    job, _ = trained
+    loaded = LLM(str(target)).engine.loaded
+    store = FeatureStore(job.work_dir / "features", len(examples), job.eagle3.shard_size)
+    config = head_config(loaded.arch, DRAFT_VOCAB, (2, 1, 0))
+
+    def trainer(precision, directory):
+        torch.manual_seed(0)
+        head = build_head(loaded, config, torch.arange(DRAFT_VOCAB))
+        return Eagle3Trainer(head, store, examples, job.train, replace(job.eagle3, precision=precision),
+                             head.lm_head.weight.detach().clone(), directory, torch.device("cpu"))
+
+    fp32, bf16 = trainer("fp32", tmp_path / "fp32"), trainer("bf16", tmp_path / "bf16")
+    assert (fp32.autocast, bf16.autocast) == (None, torch.bfloat16)
+    for a, b in zip(fp32.evaluate()["loss_by_step"], bf16.evaluate()["loss_by_step"], strict=True):
+        assert a != b and b == pytest.approx(a, rel=2e-2)
+    bf16.run(progress=False, until_step=3)
+    assert all(math.isfinite(r["loss"]) for r in bf16.history) and bf16.head.fc.weight.dtype == torch.float32
 
 
 # ---- the saved head computes the EAGLE-3 formula ------------------------------------------------------------------

@@ -159,13 +159,14 @@ def ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: list
     and this step's own)."""
     sequence, diagonal = (cache[0], [*cache[1:], (k, v)]) if cache else ((k, v), [])
     b, h, w, d = q.shape
-    rep, scale = h // k.shape[1], 1.0 / math.sqrt(d)
+    rep = h // k.shape[1]
+    q = q * (1.0 / math.sqrt(d))
     seq_k, seq_v = (x.repeat_interleave(rep, dim=1) for x in sequence)
-    scores = (q @ seq_k.transpose(-1, -2)) * scale  # [B, H, W, W]
+    scores = q @ seq_k.transpose(-1, -2)  # [B, H, W, W]
     causal = torch.ones(w, w, dtype=torch.bool, device=q.device).triu(1)
     scores = scores.masked_fill(causal, float("-inf"))
     diag_v = [dv.repeat_interleave(rep, dim=1) for _, dv in diagonal]
-    diag_scores = [(q * dk.repeat_interleave(rep, dim=1)).sum(-1, keepdim=True) * scale for dk, _ in diagonal]
+    diag_scores = [(q * dk.repeat_interleave(rep, dim=1)).sum(-1, keepdim=True) for dk, _ in diagonal]
     probs = torch.cat([scores, *diag_scores], dim=-1).float().softmax(-1).to(q.dtype)
     out = probs[..., :w] @ seq_v
     for i, dv in enumerate(diag_v):
@@ -194,6 +195,21 @@ class TTTResult:
     positions: int  # those positions
 
 
+@torch.no_grad()
+def _target_distributions(batch: Batch, target_rows: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's distributions over the draft vocabulary at the positions u whose next token
+    is a response token inside the sequence, [U, N], computed once for every step; and
+    [B, W + steps + 1], the row of each (b, u) among them (-1 elsewhere)."""
+    b, w = batch.ids.shape
+    index = torch.arange(w + steps + 1, device=batch.ids.device)
+    mask = (index + 1 >= batch.prompt_lens[:, None]) & (index + 1 < batch.lengths[:, None])
+    where = torch.full(mask.shape, -1, dtype=torch.long, device=mask.device)
+    where[mask] = torch.arange(int(mask.sum()), device=mask.device)
+    rows, cols = mask[:, :w].nonzero(as_tuple=True)
+    with torch.autocast(batch.ids.device.type, enabled=False):  # the target's logits in float32
+        return (batch.hidden[rows, cols].float() @ target_rows.T).softmax(-1), where
+
+
 def ttt_loss(head: Eagle3TrainHead, batch: Batch, target_rows: torch.Tensor, steps: int) -> TTTResult:
     """The TTT loss of ``batch``; ``target_rows`` [N, d] are the target's LM-head rows of the
     draft vocabulary (the target's distribution at a position is softmax(hidden @ rows^T))."""
@@ -201,6 +217,7 @@ def ttt_loss(head: Eagle3TrainHead, batch: Batch, target_rows: torch.Tensor, ste
     device = batch.ids.device
     ids = F.pad(batch.ids, (0, steps + 1))
     index = torch.arange(w, device=device)
+    target, target_row = _target_distributions(batch, target_rows, steps)
     hidden = head.project(batch.features)
     cache: list[KeyValue] = []
     total = hidden.sum() * 0.0  # differentiable even for a batch with nothing to predict
@@ -215,9 +232,8 @@ def ttt_loss(head: Eagle3TrainHead, batch: Batch, target_rows: torch.Tensor, ste
         rows, cols = mask.nonzero(as_tuple=True)
         logits = head.logits(out[rows, cols]).float()
         with torch.no_grad():
-            target = (batch.hidden[rows, cols + 1 + j].float() @ target_rows.T).softmax(-1)
             hit = head.draft_ids[logits.argmax(-1)] == ids[rows, cols + 2 + j]
-        losses = F.cross_entropy(logits, target, reduction="none")
+        losses = F.cross_entropy(logits, target[target_row[rows, cols + 1 + j]], reduction="none")
         if losses.numel():
             total = total + STEP_DECAY**j * losses.mean()
         correct = torch.zeros(b, w, dtype=torch.bool, device=device)

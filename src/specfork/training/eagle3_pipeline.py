@@ -81,7 +81,7 @@ def train_eagle3(job: TrainDraftJob, command: str = "") -> dict:
         "train": asdict(job.train),
         "eagle3": asdict(e),
         "head": {"feature_layers": list(layers), "intermediate_size": config.arch.intermediate_size,
-                 "hidden_size": config.arch.hidden_size},
+                 "hidden_size": config.arch.hidden_size, "matmul_dtype": str(trainer.autocast or torch.float32)},
         "draft_vocab": draft_vocab_record(vocab, target_vocab=config.arch.vocab_size),
         "examples": {"train": len(trainer.train), "held_out": len(trainer.held_out)},
         "response_tokens": sum(len(x.response_ids) for x in examples),

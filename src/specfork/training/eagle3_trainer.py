@@ -38,6 +38,18 @@ from specfork.training.trainer import (
 logger = logging.getLogger(__name__)
 
 
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """bfloat16 where the head's matrix products should run in it (None: float32)."""
+    if precision == "fp32":
+        return None
+    if precision == "bf16" or device.type == "cuda":
+        return torch.bfloat16
+    try:
+        return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
+    except (AttributeError, RuntimeError):  # a build without oneDNN
+        return None
+
+
 def collate_features(store: FeatureStore, indices: list[int], device) -> Batch:
     """The stored sequences ``indices``, right-padded into one batch (float32 on ``device``)."""
     records = [store.record(i) for i in indices]
@@ -69,6 +81,7 @@ class Eagle3Trainer:
         self.settings, self.eagle = settings, eagle
         self.target_rows = target_rows.to(device)
         self.checkpoint_dir, self.device = checkpoint_dir, device
+        self.autocast = autocast_dtype(eagle.precision, torch.device(device))
         self.examples = examples
         usable = [i for i, e in enumerate(examples) if len(e.response_ids) >= 2]  # step 0 predicts response token 2
         self.train = [i for i in usable if not is_eval_example(examples[i])]
@@ -110,8 +123,9 @@ class Eagle3Trainer:
         return True
 
     def _loss(self, batch: list[int]) -> TTTResult:
-        return ttt_loss(self.head, collate_features(self.store, batch, self.device), self.target_rows,
-                        self.eagle.ttt_steps)
+        data = collate_features(self.store, batch, self.device)
+        with torch.autocast(torch.device(self.device).type, dtype=self.autocast, enabled=self.autocast is not None):
+            return ttt_loss(self.head, data, self.target_rows, self.eagle.ttt_steps)
 
     @torch.no_grad()
     def evaluate(self) -> dict:

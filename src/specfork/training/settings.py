@@ -94,6 +94,9 @@ class Eagle3Settings:
         parse=int_or_auto, group=EAGLE3)
     head_intermediate_size: int | None = option(None, "the head's MLP width (default: the target's)", group=EAGLE3)
     feature_batch: int = option(8, "sequences per target pass when capturing features", group=EAGLE3)
+    precision: str = option("auto", "the head's matrix products in bfloat16 (autocast over float32 weights) or "
+                            "float32; auto: bf16 on CUDA and on CPUs with native bfloat16", choices=("auto", "bf16", "fp32"),
+                            group=EAGLE3)
     shard_size: int = option(64, cli=False)  # sequences per feature shard (what a resumed run keeps)
 
     def __post_init__(self) -> None:
@@ -103,6 +106,8 @@ class Eagle3Settings:
             raise SpecforkError(f"draft_vocab must be auto or a positive integer, got {self.draft_vocab!r}")
         if self.head_intermediate_size is not None and self.head_intermediate_size < 1:
             raise SpecforkError(f"head_intermediate_size must be >= 1, got {self.head_intermediate_size}")
+        if self.precision not in ("auto", "bf16", "fp32"):
+            raise SpecforkError(f"precision must be auto, bf16 or fp32, got {self.precision!r}")
         if self.feature_batch < 1 or self.shard_size < 1:
             raise SpecforkError("feature_batch and shard_size must be >= 1")
 
