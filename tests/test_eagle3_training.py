@@ -75,7 +75,7 @@ def test_training_lowers_the_loss_and_records_provenance(trained, examples):
     job, result = trained
     assert result["train_steps"] == 36  # 21 sequences of 13-35 tokens: 6 batches of <= 128 tokens per epoch, 6 epochs
     assert result["last_loss"] < result["first_loss"] - 0.5, result
-    history = torch.load(job.work_dir / "checkpoints" / "last.pt", weights_only=True)["history"]
+    history = torch.load(job.work_dir / "eagle3-checkpoints" / "last.pt", weights_only=True)["history"]
     assert sum(r["top1"] for r in history[-8:]) / 8 > sum(r["top1"] for r in history[:4]) / 4 + 0.3
     saved = json.loads((job.output / "specfork_draft.json").read_text())
     assert saved["kind"] == "eagle3" and saved["command"] == "test"

@@ -2,9 +2,10 @@
 the draft vocabulary, TTT training of the head, saving it in the ecosystem's layout, and a final
 SD acceptance check.
 
-Everything lives under ``work_dir`` (``data/`` and ``features/`` shards, ``checkpoints/``), so
-running the same command again after an interruption resumes: finished shards are kept,
-training continues from its last checkpoint.
+Everything lives under ``work_dir`` (``data/`` and ``features/`` shards, ``eagle3-checkpoints/``),
+so running the same command again after an interruption resumes: finished shards are kept,
+training continues from its last checkpoint. The data shards are the draft's: a head trained
+with a draft's ``--work-dir`` (and the same data settings) reuses its target responses.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def train_eagle3(job: TrainDraftJob, command: str = "") -> dict:
     head = build_head(target, config, vocab.ids)
     target_rows = head.lm_head.weight.detach().clone()  # the head's LM head starts as these rows
     del llm, target
-    trainer = Eagle3Trainer(head, store, examples, job.train, e, target_rows, job.work_dir / "checkpoints",
+    trainer = Eagle3Trainer(head, store, examples, job.train, e, target_rows, job.work_dir / "eagle3-checkpoints",
                             torch.device(job.device))
     trainer.try_resume()
     t0 = time.time()

@@ -91,7 +91,8 @@ class Eagle3Trainer:
         self.steps_per_epoch = len(self._batches(self.train, settings.seed))
         self.total_steps = max(1, math.ceil(self.steps_per_epoch * settings.epochs))
         self.optimizer = adamw(self.head, settings)
-        self.identity = {"train": asdict(settings), "eagle3": asdict(eagle), "draft_vocab": len(head.draft_ids)}
+        trained_by = {k: v for k, v in asdict(eagle).items() if k != "feature_batch"}  # what decides the weights
+        self.identity = {"train": asdict(settings), "eagle3": trained_by, "draft_vocab": len(head.draft_ids)}
         self.step = 0
         self.history: list[dict] = []
         self.curve: list[dict] = []  # the held-out evaluation at each checkpoint
