@@ -43,6 +43,23 @@ def load_draft(spec: DraftSpec, device: torch.device, target: LoadedModel | None
     return draft
 
 
+def is_head(spec: DraftSpec) -> bool:
+    """Whether the draft is an EAGLE-3 head (it reads the target's features) rather than a model."""
+    from pathlib import Path
+
+    from specfork.loading.eagle3 import is_eagle3_checkpoint
+
+    return is_eagle3_checkpoint(Path(spec.path))
+
+
+def load_head(spec: DraftSpec, device: torch.device, target: LoadedModel):
+    """The EAGLE-3 head for ``target`` (it shares the target's embedding, so it loads where the
+    target is)."""
+    from specfork.loading.eagle3 import load_eagle3_head
+
+    return load_eagle3_head(spec.path, target, device=device, quantize_group=spec.load_options["quantize_group"])
+
+
 def check_draft_vocabulary(spec: DraftSpec, target: LoadedModel) -> None:
     """``check_vocabularies`` without loading the draft's weights."""
     check_vocabularies(target, load_vocabulary(spec.path))
