@@ -56,6 +56,8 @@ class SpecStats:
             "acceptance_by_position": [
                 a / p if p else None for a, p in zip(self.accepted_by_position, self.proposed_by_position, strict=True)
             ],
+            "accepted_by_position": list(self.accepted_by_position),
+            "proposed_by_position": list(self.proposed_by_position),
             "draft_time_s": self.draft_time_s,
             "target_time_s": self.target_time_s,
         }
