@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import os
+
 from specfork.engine.llm_engine import LLMEngine
 from specfork.errors import SpecforkError
 from specfork.speculative.draft_loading import (
@@ -15,6 +18,8 @@ from specfork.speculative.draft_model import DraftModelProposer
 from specfork.speculative.eagle3_proposer import Eagle3Proposer
 from specfork.speculative.ngram import NgramProposer
 from specfork.speculative.sd_step import SpeculativeStep
+
+logger = logging.getLogger(__name__)
 
 
 def build_speculative_step(engine: LLMEngine) -> SpeculativeStep:
@@ -56,7 +61,7 @@ def build_ssd_step(engine: LLMEngine, drafter=None) -> SpeculativeStep:
     in-process fallback draft is loaded only if the drafter process fails."""
     import torch
 
-    from specfork.speculative.ssd.cores import TargetPinning, split_cores
+    from specfork.speculative.ssd.cores import TargetPinning, core_sharing_warning, split_cores
     from specfork.speculative.ssd.messages import DrafterLaunch
     from specfork.speculative.ssd.proposer import SSDProposer
 
@@ -69,6 +74,10 @@ def build_ssd_step(engine: LLMEngine, drafter=None) -> SpeculativeStep:
                             "SSD a draft model with --draft")
     check_draft_vocabulary(spec, engine.loaded)
     target_cores, drafter_cores = split_cores(config)
+    if engine.device.type == "cpu":
+        warning = core_sharing_warning(target_cores, len(os.sched_getaffinity(0)))
+        if warning:
+            logger.warning(warning)
     drafter_device = config.drafter_device
     if drafter_device is None:
         if engine.device.type == "cuda" and torch.cuda.device_count() > 1:
