@@ -115,7 +115,7 @@ class SpeculativeStep:
                 logprobs = logprob_entries(rows, result.tokens, seq.params.logprobs)
             out[seq] = NewTokens(result.tokens, logprobs)
         if self.auto_k is not None:
-            self.auto_k.end_round()
+            self.auto_k.end_round(k, time.perf_counter() - t0)
         return out
 
     def committed(self, seq: Sequence) -> None:
