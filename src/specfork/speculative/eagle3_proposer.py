@@ -125,17 +125,23 @@ class Eagle3Proposer:
 
     def _draw(self, out: torch.Tensor, seqs: list[Sequence]):
         """One token per row from the head's distribution over the target's vocabulary: (tokens,
-        q [rows, V] or None when every request is greedy, the head's probability of each token)."""
+        q [rows, V] or None when every request is greedy, the head's probability of each token;
+        ones when no chain may end early)."""
         draft_logits = self.head.compute_logits(out)
+        if all(s.params.greedy for s in seqs):  # the head's best token; no distribution to send
+            best = draft_logits.argmax(dim=-1)
+            tokens = self.head.draft_to_target.index_select(0, best).tolist()
+            if not self.min_confidence:
+                return tokens, None, [1.0] * len(seqs)
+            confidence = torch.softmax(draft_logits, dim=-1).gather(1, best.unsqueeze(1)).squeeze(1)
+            return tokens, None, confidence.tolist()
         logits = torch.full((len(seqs), self.vocab_size), float("-inf"), device=self.device)
         logits[:, self.head.draft_to_target] = draft_logits
         draw = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         head_probs = torch.softmax(logits, dim=-1)
         chosen = torch.tensor(draw.tokens, device=self.device).unsqueeze(1)
         confidence = head_probs.gather(1, chosen).squeeze(1).tolist()
-        q = None
-        if any(not s.params.greedy for s in seqs):
-            q = torch.stack([draw.q_of(r) if draw.q_of(r) is not None else head_probs[r] for r in range(len(seqs))])
+        q = torch.stack([draw.q_of(r) if draw.q_of(r) is not None else head_probs[r] for r in range(len(seqs))])
         return draw.tokens, q, confidence
 
     def accepted(self, seq: Sequence, num_accepted: int) -> None:
