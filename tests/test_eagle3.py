@@ -75,7 +75,7 @@ def test_the_proposer_drafts_from_the_targets_features(tiny_target, tmp_path):
 
     draft_ids = list(range(0, 256, 2))
     tensors = write_tiny_head(tmp_path / "head", tiny_target, draft_ids=draft_ids, seed=9, scale=4.0)
-    llm = LLM(str(tiny_target), mode="sd", draft=str(tmp_path / "head"), k=3)
+    llm = LLM(str(tiny_target), mode="sd", draft=str(tmp_path / "head"), k=3, weights="fp32")  # the head unquantised
     proposer = llm.engine.step_strategy.proposer
     rounds = []
     propose = proposer.propose
@@ -115,6 +115,14 @@ def test_a_head_for_another_target_is_refused(tiny_target, tiny_checkpoints, tmp
     write_tiny_head(tmp_path / "head", tiny_target, draft_ids=list(range(64)))
     with pytest.raises(SpecforkError, match="target layers"):
         LLM(str(other), mode="sd", draft=str(tmp_path / "head"))
+    from specfork.layers.cpu_kernels import kernels
+    from specfork.layers.quantized import QuantizedLinear
+
+    head = LLM(str(tiny_target), mode="sd", draft=str(tmp_path / "head")).engine.step_strategy.proposer.head
+    if kernels() is not None:  # native weights: the head's projections run the int4 kernel
+        assert isinstance(head.mlp.down_proj, QuantizedLinear) and isinstance(head.lm_head, QuantizedLinear)
+    head = LLM(str(tiny_target), mode="sd", draft=str(tmp_path / "head"), weights="fp32").engine.step_strategy.proposer.head
+    assert not isinstance(head.mlp.down_proj, QuantizedLinear)
     with pytest.raises(SpecforkError, match="SSD with an EAGLE-3 head"):
         LLM(str(tiny_target), mode="ssd", draft=str(tmp_path / "head"))
 

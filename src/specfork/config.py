@@ -90,7 +90,8 @@ class Config:
         "restarts), or auto: 10x the expected answer from the observed round times, 2 to 60 s "
         "(speculative/ssd/deadline.py) (default: auto)", parse=seconds_or_auto, flag="--drafter-timeout", group=SSD)
     weights: str = option("native", "native: run a GGUF's Q4_0/Q4_1/Q8_0 matrices quantised (native CPU kernel, "
-                          "no per-step dequantisation); fp32: dequantise at load. Target and draft alike",
+                          "no per-step dequantisation; an EAGLE-3 head's projections run the int4 kernel); fp32: "
+                          "dequantise at load, heads stay float. Target and draft alike",
                           choices=WEIGHTS, group=ENGINE)
     quantize: str | None = option(None, "quantise an HF checkpoint's projections to 4 bits at load, for the same "
                                   "kernel (default: off, float32)", choices=QUANTIZE, group=ENGINE)
