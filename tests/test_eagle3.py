@@ -106,6 +106,23 @@ def test_the_proposer_drafts_from_the_targets_features(tiny_target, tmp_path):
             ids.append(token)
 
 
+def test_the_int4_head_runs_the_fused_layer_bit_for_bit_like_its_modules(tiny_target, tmp_path):
+    from specfork.layers.cpu_kernels import kernels
+
+    if kernels() is None:
+        pytest.skip("native kernels not built")
+    write_tiny_head(tmp_path / "head", tiny_target, draft_ids=list(range(0, 256, 4)), seed=2)
+    target = LLM(str(tiny_target)).engine.loaded
+    head = load_eagle3_head(tmp_path / "head", target, device=torch.device("cpu"), quantize_group=32)
+    assert head.fused_decode is not None
+    gen = torch.Generator().manual_seed(1)
+    features = torch.randn(9, 3 * 64, generator=gen)
+    next_ids = torch.randint(0, 256, (9,), generator=gen).tolist()
+    fused = _head_logits_paged(head, features, next_ids, split=4)
+    head.fused_decode = None
+    assert torch.equal(_head_logits_paged(head, features, next_ids, split=4), fused)
+
+
 def config_arch(path):
     return read_eagle3_config(path).arch
 

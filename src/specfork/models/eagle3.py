@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from specfork.layers.attention import AttentionMetadata
+from specfork.layers.fused_layer import fuse_decoder_layer
 from specfork.layers.linear import make_linear
 from specfork.layers.norm import RMSNorm
 from specfork.layers.rotary import RotaryEmbedding
@@ -46,6 +47,12 @@ class Eagle3Head(nn.Module):
         self.lm_head = make_linear(need(take, "lm_head.weight"))
         self.rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
         self.register_buffer("draft_to_target", draft_to_target.to(torch.long), persistent=False)
+        attn = self.self_attn
+        # One native call for decode steps (the native kernel with the attention's input given).
+        self.fused_decode = fuse_decoder_layer(
+            self.input_layernorm, (attn.qkv_proj, attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj),
+            self.post_attention_layernorm, attn.num_heads, attn.num_kv_heads, attn.scale,
+        )
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
         """The target's concatenated features [T, 3 d_target] -> the head's input hidden [T, d]."""
@@ -66,6 +73,8 @@ class Eagle3Head(nn.Module):
         """The head's output at each position, [T, d] (before the final norm)."""
         rope = self.rotary.at(positions)
         a = torch.cat([self.input_layernorm(self.embed_tokens(next_ids)), self.hidden_norm(hidden)], dim=-1)
+        if meta.native_decode and self.fused_decode is not None:
+            return self.fused_decode(hidden, rope, kv_caches[0], meta, attn_input=a)
         h = hidden + self.self_attn(a, rope, kv_caches[0], meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
