@@ -24,9 +24,10 @@ class DraftSpec:
 
 
 def draft_spec(config: Config, target: LoadedModel) -> DraftSpec:
-    """The draft for ``target`` as configured (``config.draft``, or the shipped default)."""
+    """The draft for ``target`` as configured (``config.draft``, or the shipped default: for SSD,
+    which does not run EAGLE-3 heads yet, the first shipped draft model)."""
     return DraftSpec(
-        path=resolve_draft(config.draft, target.location),
+        path=resolve_draft(config.draft, target.location, heads=config.mode != "ssd"),
         dtype=str(target.model.embed_tokens.weight.dtype).removeprefix("torch."),
         max_positions=target.model.rotary.cos.shape[0],
         load_options=config.load_options,
