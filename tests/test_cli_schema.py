@@ -15,7 +15,7 @@ from specfork.cli.parser import engine_options
 from specfork.config import Config
 from specfork.sampling_params import SamplingParams
 from specfork.serve.server import ServerSettings
-from specfork.training.settings import DataSettings, DraftArch, TrainDraftJob, TrainSettings
+from specfork.training.settings import DataSettings, DraftArch, Eagle3Settings, TrainDraftJob, TrainSettings
 
 
 def _parse(*argv):
@@ -73,9 +73,10 @@ def test_the_other_commands_default_to_their_settings_defaults():
     args = _parse("serve")
     assert ServerSettings(**schema.values(args, ServerSettings)) == ServerSettings()
     args = _parse("train-draft", "--output", "d")
-    for settings in (DataSettings, DraftArch, TrainSettings):
+    for settings in (DataSettings, DraftArch, TrainSettings, Eagle3Settings):
         assert settings(**schema.values(args, settings)) == settings()
     assert TrainDraftJob(**schema.values(args, TrainDraftJob)).work_dir.name == "d.work"
+    assert TrainDraftJob(**schema.values(args, TrainDraftJob)).kind == "draft"
 
 
 def test_command_specific_defaults_and_lists():
@@ -88,6 +89,12 @@ def test_command_specific_defaults_and_lists():
     assert (settings.datasets, settings.modes, settings.k) == (("humaneval", "sharegpt", "random"), ("ar", "sd"), "auto")
     args = _parse("train-draft", "--output", "d", "--layers", "2", "--kv-heads", "1")
     assert DraftArch(**schema.values(args, DraftArch)) == DraftArch(num_layers=2, num_kv_heads=1)
+    args = _parse("train-draft", "--output", "d", "--kind", "eagle3", "--ttt-steps", "7", "--draft-vocab", "8192",
+                  "--head-intermediate-size", "1024", "--intermediate-size", "512")
+    assert TrainDraftJob(**schema.values(args, TrainDraftJob)).kind == "eagle3"
+    assert Eagle3Settings(**schema.values(args, Eagle3Settings)) == Eagle3Settings(
+        ttt_steps=7, draft_vocab=8192, head_intermediate_size=1024)
+    assert DraftArch(**schema.values(args, DraftArch)).intermediate_size == 512  # the draft's, not the head's
     args = _parse("bench-serve", "--request-rate", "1,inf", "--base-url", "http://h:1/")
     settings = ServeBenchSettings(**schema.values(args, ServeBenchSettings))
     assert (settings.request_rates, settings.base_url) == ((1.0, float("inf")), "http://h:1")

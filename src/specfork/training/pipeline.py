@@ -84,6 +84,10 @@ def acceptance_check(job: TrainDraftJob) -> dict:
 
 def train_draft(job: TrainDraftJob, command: str = "") -> dict:
     """Run the whole job; returns the provenance written next to the draft."""
+    if job.kind == "eagle3":
+        from specfork.training.eagle3_pipeline import train_eagle3
+
+        return train_eagle3(job, command)
     if job.threads:
         torch.set_num_threads(job.threads)
     started = time.time()

@@ -8,9 +8,12 @@ from pathlib import Path
 
 from specfork.config import DEFAULT_MODEL
 from specfork.errors import SpecforkError
-from specfork.options import option
+from specfork.options import int_or_auto, option
 
 DATA, ARCH, TRAIN, EVAL = 'data (target responses)', 'draft architecture', 'training', 'final evaluation'
+EAGLE3 = 'EAGLE-3 head (--kind eagle3)'
+DRAFT_VOCAB_SIZES = (4096, 8192, 16384)  # the sizes --draft-vocab auto chooses from
+MAX_TTT_STEPS = 7
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,15 +83,48 @@ class TrainSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class Eagle3Settings:
+    """What only an EAGLE-3 head needs (``--kind eagle3``); its shape is otherwise the target's."""
+
+    ttt_steps: int = option(5, f"training-time-test unroll steps (1..{MAX_TTT_STEPS}); step j's loss weighs 0.8^j",
+                            group=EAGLE3)
+    draft_vocab: int | str = option(
+        "auto", "the head's vocabulary: auto takes the smallest of "
+        f"{'/'.join(map(str, DRAFT_VOCAB_SIZES))} covering 98% of the training responses' tokens, or a number",
+        parse=int_or_auto, group=EAGLE3)
+    head_intermediate_size: int | None = option(None, "the head's MLP width (default: the target's)", group=EAGLE3)
+    feature_batch: int = option(8, "sequences per target pass when capturing features", group=EAGLE3)
+    precision: str = option("auto", "the head's matrix products in bfloat16 (autocast over float32 weights) or "
+                            "float32; auto: bf16 on CUDA and on CPUs with native bfloat16", choices=("auto", "bf16", "fp32"),
+                            group=EAGLE3)
+    shard_size: int = option(64, cli=False)  # sequences per feature shard (what a resumed run keeps)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.ttt_steps <= MAX_TTT_STEPS:
+            raise SpecforkError(f"ttt_steps must be in 1..{MAX_TTT_STEPS}, got {self.ttt_steps}")
+        if self.draft_vocab != "auto" and (not isinstance(self.draft_vocab, int) or self.draft_vocab < 1):
+            raise SpecforkError(f"draft_vocab must be auto or a positive integer, got {self.draft_vocab!r}")
+        if self.head_intermediate_size is not None and self.head_intermediate_size < 1:
+            raise SpecforkError(f"head_intermediate_size must be >= 1, got {self.head_intermediate_size}")
+        if self.precision not in ("auto", "bf16", "fp32"):
+            raise SpecforkError(f"precision must be auto, bf16 or fp32, got {self.precision!r}")
+        if self.feature_batch < 1 or self.shard_size < 1:
+            raise SpecforkError("feature_batch and shard_size must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
 class TrainDraftJob:
     """One ``specfork train-draft`` run: the target, where the draft goes and the settings."""
 
     target: str = option(DEFAULT_MODEL, "target model")
-    output: Path | None = option(None, "directory for the trained draft (HF format; required)", parse=Path)
+    kind: str = option("draft", "draft: a small Llama sharing the target's vocabulary; eagle3: an EAGLE-3 head "
+                       "reading the target's hidden states", choices=("draft", "eagle3"))
+    output: Path | None = option(None, "directory for the trained draft or head (HF format; required)", parse=Path)
     work_dir: Path | None = option(None, "data shards and checkpoints (default: OUTPUT.work)", parse=Path)
     data: DataSettings = field(default_factory=DataSettings, metadata={"cli": False})
     arch: DraftArch = field(default_factory=DraftArch, metadata={"cli": False})
     train: TrainSettings = field(default_factory=TrainSettings, metadata={"cli": False})
+    eagle3: Eagle3Settings = field(default_factory=Eagle3Settings, metadata={"cli": False})
     device: str = option("cpu", "cpu or cuda[:N]")
     threads: int | None = option(None, "torch threads on CPU (default: torch's choice)")
     generation_batch: int = option(32, "concurrent generation requests", group=DATA)

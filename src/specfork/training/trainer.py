@@ -137,6 +137,61 @@ def learning_rate(step: int, total: int, settings: TrainSettings) -> float:
     return floor + (settings.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+def set_learning_rate(optimizer, step: int, total: int, settings: TrainSettings) -> float:
+    lr = learning_rate(step, total, settings)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def adamw(model, settings: TrainSettings) -> torch.optim.AdamW:
+    """AdamW (0.9, 0.95) with weight decay on matrices only (not on norms, biases or vectors)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 or "norm" in name else decay).append(p)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=settings.lr,
+        betas=(0.9, 0.95),
+    )
+
+
+def optimizer_step(model, optimizer, loss: torch.Tensor, grad_clip: float) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+
+
+def write_checkpoint(directory: Path, state: dict) -> None:
+    """``state`` (tensors and plain data) as ``directory/last.pt``, replaced atomically."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / "last.pt.tmp"
+    torch.save(state, tmp)
+    tmp.replace(directory / "last.pt")
+
+
+def read_checkpoint(directory: Path, device, settings: dict) -> dict | None:
+    """The state in ``directory/last.pt`` (None: there is none), if it was written with ``settings``."""
+    path = directory / "last.pt"
+    if not path.exists():
+        return None
+    try:
+        # Tensors and plain data only: unpickling arbitrary objects could run any code.
+        state = torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError:
+        raise SpecforkError(
+            f"{path} holds objects other than tensors and plain data; it is not loaded (a checkpoint "
+            "written by this trainer never does), remove it or use another --work-dir"
+        ) from None
+    if state["settings"] != settings:
+        raise SpecforkError(
+            f"{path} was written with other training settings; use the same settings to resume, or another --work-dir"
+        )
+    return state
+
+
 @torch.no_grad()
 def evaluate_tokens(model, examples: list[Example], settings: TrainSettings, pad_id: int, device) -> dict:
     """Loss and top-1 agreement with the target on held-out examples."""
@@ -174,14 +229,7 @@ class DraftTrainer:
         per_epoch = len(make_batches(self.train, settings.max_seq_len, settings.batch_tokens, settings.seed))
         self.steps_per_epoch = per_epoch
         self.total_steps = max(1, math.ceil(per_epoch * settings.epochs))
-        decay, no_decay = [], []
-        for name, p in self.model.named_parameters():
-            (no_decay if p.ndim < 2 or "norm" in name else decay).append(p)
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=settings.lr,
-            betas=(0.9, 0.95),
-        )
+        self.optimizer = adamw(self.model, settings)
         self.step = 0
         self.history: list[dict] = []
 
@@ -189,36 +237,18 @@ class DraftTrainer:
         return make_batches(self.train, self.settings.max_seq_len, self.settings.batch_tokens, self.settings.seed + epoch)
 
     def save_checkpoint(self) -> None:
-        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.checkpoint_dir / "last.pt.tmp"
-        torch.save(
-            {
-                "step": self.step,
-                "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "history": self.history,
-                "settings": asdict(self.settings),
-            },
-            tmp,
-        )
-        tmp.replace(self.checkpoint_dir / "last.pt")
+        write_checkpoint(self.checkpoint_dir, {
+            "step": self.step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "history": self.history,
+            "settings": asdict(self.settings),
+        })
 
     def try_resume(self) -> bool:
-        path = self.checkpoint_dir / "last.pt"
-        if not path.exists():
+        state = read_checkpoint(self.checkpoint_dir, self.device, asdict(self.settings))
+        if state is None:
             return False
-        try:
-            # Tensors and plain data only: unpickling arbitrary objects could run any code.
-            state = torch.load(path, map_location=self.device, weights_only=True)
-        except pickle.UnpicklingError:
-            raise SpecforkError(
-                f"{path} holds objects other than tensors and plain data; it is not loaded (a checkpoint "
-                "written by this trainer never does), remove it or use another --work-dir"
-            ) from None
-        if state["settings"] != asdict(self.settings):
-            raise SpecforkError(
-                f"{path} was written with other training settings; use the same settings to resume, or another --work-dir"
-            )
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = state["step"]
@@ -241,15 +271,10 @@ class DraftTrainer:
             ids, mask, labels = (
                 t.to(self.device) for t in collate([self.train[i] for i in batch], s.max_seq_len, self.pad_id)
             )
-            lr = learning_rate(self.step, self.total_steps, s)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
+            lr = set_learning_rate(self.optimizer, self.step, self.total_steps, s)
             started = time.perf_counter()
             loss, n, correct = batch_loss(self.model, ids, mask, labels)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.grad_clip)
-            self.optimizer.step()
+            optimizer_step(self.model, self.optimizer, loss, s.grad_clip)
             self.step += 1
             record = {
                 "step": self.step,
@@ -271,13 +296,23 @@ class DraftTrainer:
 def save_draft(model, tokenizer, output: Path, provenance: dict) -> None:
     """Write ``output`` as an HF checkpoint directory: config, safetensors, tokenizer, and
     ``specfork_draft.json`` saying how it was made."""
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        (tmp / "specfork_draft.json").write_text(json.dumps(provenance, indent=2, sort_keys=True, default=str))
+
+    publish_directory(output, write)
+
+
+def publish_directory(output: Path, write) -> None:
+    """``write(tmp)`` fills a fresh directory beside ``output``, which then replaces ``output``
+    (an interrupted save leaves the previous one, never half of one)."""
     tmp = output.with_name(output.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    model.save_pretrained(tmp, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    (tmp / "specfork_draft.json").write_text(json.dumps(provenance, indent=2, sort_keys=True, default=str))
+    tmp.mkdir(parents=True)
+    write(tmp)
     if output.exists():
         shutil.rmtree(output)
     tmp.replace(output)

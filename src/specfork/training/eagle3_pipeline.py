@@ -1,0 +1,124 @@
+"""``specfork train-draft --kind eagle3``: the target's responses (as for a draft), its features,
+the draft vocabulary, TTT training of the head, saving it in the ecosystem's layout, and a final
+SD acceptance check.
+
+Everything lives under ``work_dir`` (``data/`` and ``features/`` shards, ``checkpoints/``), so
+running the same command again after an interruption resumes: finished shards are kept,
+training continues from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from specfork.loading.eagle3 import Eagle3Config, default_feature_layers, save_eagle3
+from specfork.training.eagle3_features import (
+    STORE_DTYPE,
+    DraftVocab,
+    choose_draft_vocab,
+    count_response_tokens,
+    extract_features,
+)
+from specfork.training.eagle3_head import Eagle3TrainHead, build_head, head_config
+from specfork.training.eagle3_trainer import Eagle3Trainer
+from specfork.training.pipeline import acceptance_check, generate_data, save_draft_provenance, target_llm
+from specfork.training.settings import TrainDraftJob
+from specfork.training.trainer import is_eval_example, publish_directory
+
+logger = logging.getLogger(__name__)
+
+
+def train_eagle3(job: TrainDraftJob, command: str = "") -> dict:
+    """Run the whole job; returns the provenance written next to the head."""
+    if job.threads:
+        torch.set_num_threads(job.threads)
+    started = time.time()
+    llm = target_llm(job)
+    t0 = time.time()
+    examples = generate_data(job, llm)
+    data_seconds = time.time() - t0
+    target = llm.engine.loaded
+    layers = default_feature_layers(target.arch.num_layers)
+    e = job.eagle3
+    t0 = time.time()
+    manifest = {"target": job.target, **asdict(job.data), "max_seq_len": job.train.max_seq_len,
+                "feature_layers": list(layers), "shard_size": e.shard_size, "dtype": str(STORE_DTYPE)}
+    store = extract_features(llm, examples, job.work_dir / "features", layers=layers,
+                             max_seq_len=job.train.max_seq_len, batch=e.feature_batch, shard_size=e.shard_size,
+                             manifest=manifest, progress=job.progress)
+    feature_seconds = time.time() - t0
+    vocab = choose_draft_vocab(count_response_tokens([x for x in examples if not is_eval_example(x)],
+                                                     target.arch.vocab_size),
+                               None if e.draft_vocab == "auto" else e.draft_vocab)
+    config = head_config(target.arch, len(vocab.ids), layers, e.head_intermediate_size)
+    config.layers_for(target.arch.num_layers)
+    logger.info("draft vocabulary: %d of %d target ids, covering %.1f%% of the training responses' tokens",
+                len(vocab.ids), target.arch.vocab_size, 100 * vocab.coverage)
+    torch.manual_seed(job.train.seed)
+    head = build_head(target, config, vocab.ids)
+    target_rows = head.lm_head.weight.detach().clone()  # the head's LM head starts as these rows
+    del llm, target
+    trainer = Eagle3Trainer(head, store, examples, job.train, e, target_rows, job.work_dir / "checkpoints",
+                            torch.device(job.device))
+    trainer.try_resume()
+    t0 = time.time()
+    history = trainer.run(progress=job.progress)
+    train_seconds = time.time() - t0
+    final = trainer.curve[-1] if trainer.curve and trainer.curve[-1]["step"] == trainer.step else trainer.evaluate()
+    save_head(job.output, config, trainer.head, vocab.ids)
+    tail = max(1, len(history) // 20)
+    provenance = {
+        "kind": "eagle3",
+        "target": job.target,
+        "command": command,
+        "data": asdict(job.data),
+        "train": asdict(job.train),
+        "eagle3": asdict(e),
+        "head": {"feature_layers": list(layers), "intermediate_size": config.arch.intermediate_size,
+                 "hidden_size": config.arch.hidden_size, "matmul_dtype": str(trainer.autocast or torch.float32)},
+        "draft_vocab": draft_vocab_record(vocab, target_vocab=config.arch.vocab_size),
+        "examples": {"train": len(trainer.train), "held_out": len(trainer.held_out)},
+        "response_tokens": sum(len(x.response_ids) for x in examples),
+        "train_steps": trainer.step,
+        "first_loss": sum(r["loss"] for r in history[:tail]) / len(history[:tail]),
+        "last_loss": sum(r["loss"] for r in history[-tail:]) / len(history[-tail:]),
+        "eval": final,
+        "curve": trainer.curve,
+        "data_seconds_this_run": round(data_seconds, 1),
+        "feature_seconds_this_run": round(feature_seconds, 1),
+        "train_seconds_this_run": round(train_seconds, 1),
+        "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                    "device": job.device},
+        "torch": torch.__version__,
+    }
+    save_draft_provenance(job.output, provenance)
+    provenance["acceptance"] = head_acceptance(job)
+    provenance["total_seconds_this_run"] = round(time.time() - started, 1)
+    save_draft_provenance(job.output, provenance)
+    return provenance
+
+
+def draft_vocab_record(vocab: DraftVocab, target_vocab: int) -> dict:
+    return {"size": len(vocab.ids), "target_vocab": target_vocab, "coverage": vocab.coverage}
+
+
+def save_head(output: Path, config: Eagle3Config, head: Eagle3TrainHead, draft_ids: torch.Tensor) -> None:
+    """The head in the ecosystem's layout (fp16 safetensors, config.json, d2t/t2d)."""
+    state = {name: t.detach().cpu() for name, t in head.state_dict().items()}
+    publish_directory(output, lambda tmp: save_eagle3(tmp, config, state, draft_ids))
+
+
+def head_acceptance(job: TrainDraftJob) -> dict:
+    """SD's acceptance with the new head as the draft, or why it could not be measured."""
+    try:
+        return acceptance_check(job)
+    except Exception as e:  # noqa: BLE001 - any failure to run the head only skips the check
+        logger.warning("SD acceptance check skipped: specfork could not run %s as an SD draft (%s: %s)",
+                       job.output, type(e).__name__, e)
+        return {"skipped": f"{type(e).__name__}: {e}"}
