@@ -12,7 +12,7 @@ COLUMNS = ("run", "dataset", "tok/s", "min-max", "vs AR", "accept len", "hit rat
 
 def _label(r: dict) -> str:
     st = r["settings"]
-    extra = {k: st.get(k) for k in ("k", "fan_out", "backup")}
+    extra = {k: st.get(k) for k in ("k", "draft_confidence", "fan_out", "backup")}
     if st.get("batch_size", 1) != 1:
         extra["batch"] = st["batch_size"]
     if st.get("input_len") is not None:

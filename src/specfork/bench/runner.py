@@ -61,7 +61,7 @@ def load_prompt_ids(llm, dataset: str, settings: BenchSettings) -> list[list[int
 def _engine_options(mode: str, s: BenchSettings) -> dict:
     options = {"threads": s.threads, "max_num_seqs": max(s.batch_size, 1)}
     if mode == "sd":
-        options.update(mode="sd", draft=s.draft, k=s.k)
+        options.update(mode="sd", draft=s.draft, k=s.k, draft_confidence=s.draft_confidence)
     elif mode == "ngram":
         options.update(mode="sd", drafter="ngram", k=s.k)
     elif mode == "ssd":
@@ -120,6 +120,8 @@ def _cell_settings(mode: str, s: BenchSettings) -> dict:
     keep = {"output_len", "temperature", "batch_size", "input_len"}
     if mode != "ar":
         keep |= {"k"}
+    if mode == "sd" and s.draft_confidence:
+        keep |= {"draft_confidence"}
     if mode == "ssd":
         keep |= {"fan_out", "backup"}
     return {k: v for k, v in asdict(s).items() if k in keep}
