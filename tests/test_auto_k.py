@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specfork import LLM, SamplingParams, SpecforkError
-from specfork.speculative.auto_k import AutoK, StepCosts, plan
+from specfork.speculative.auto_k import AutoK, StepCosts, modelled_round_s, plan
 
 
 def test_plan_maximises_expected_tokens_per_second():
@@ -27,16 +27,41 @@ def test_observed_acceptance_moves_the_choice():
     costs = StepCosts(draft_s=0.001, verify_s=tuple(0.010 + 0.002 * (m - 1) for m in range(1, 10)))
     auto = AutoK(costs)
     for _ in range(64):  # every proposal rejected at once
-        auto.k_for_round()
-        auto.observe(max(auto.current.k, 1), 0)
-        auto.end_round()
+        k = auto.k_for_round()
+        auto.observe(max(k, 1), 0)
+        auto.end_round(k, modelled_round_s(costs, k))
     assert auto.alpha < 0.1 and auto.current.k == 0
     assert "k=0" in auto.explain() and "without speculation" in auto.explain()
     for _ in range(256):  # now everything is accepted
         k = auto.k_for_round()
         auto.observe(k, k)
-        auto.end_round()
+        auto.end_round(k, modelled_round_s(costs, k))
     assert auto.alpha > 0.6 and auto.current.k > 0
+
+
+def test_measured_round_times_fall_back_to_plain_decoding_when_speculation_does_not_pay():
+    """The model (cheap drafts, cheap verification, acceptance 0.5) says speculate; real rounds
+    that speculate take 2.2x the model's time while plain rounds take what it says: k auto must
+    settle on k = 0 (and keep probing), and return to speculating when the overhead goes away."""
+    costs = StepCosts(draft_s=0.001, verify_s=tuple(0.010 + 0.001 * (m - 1) for m in range(1, 10)))
+    auto = AutoK(costs)
+    assert auto.current.k > 0
+
+    def run(rounds: int, slowdown: float) -> list[int]:
+        ks = []
+        for _ in range(rounds):
+            k = auto.k_for_round()
+            accepted = sum(1 for j in range(k) if j % 2 == 0 and all(i % 2 == 0 for i in range(j)))  # about a = 0.5
+            auto.observe(k, min(accepted, 1))
+            auto.end_round(k, modelled_round_s(costs, k) * (slowdown if k else 1.0))
+            ks.append(k)
+        return ks
+
+    ks = run(200, slowdown=2.2)
+    assert auto.current.k == 0 and ks[-64:].count(0) >= 60  # plain decoding, probes aside
+    assert "measured rounds" in auto.explain()
+    run(200, slowdown=1.0)
+    assert auto.current.k > 0
 
 
 def test_k_auto_sd_equals_ar(tiny_checkpoints):

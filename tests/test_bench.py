@@ -51,6 +51,9 @@ def test_bench_writes_json_markdown_and_plots(tiny, tmp_path, monkeypatch):
             assert 0.0 <= r["match_ar"] <= 1.0
         assert set(r["latency_s"]) == {"p50", "p90", "p99"}
     assert rows["sd"]["mean_accepted_length"] >= 2.9  # draft == target: every draft accepted (budget-capped)
+    assert rows["sd"]["acceptance_by_position"][0] == 1.0  # every first draft accepted
+    assert 0.3 < rows["sd"]["draft_step_ratio"] < 3.0  # draft == target: one step costs about one step
+    assert rows["ssd"]["ssd_hidden_fraction"] is not None and rows["ngram"]["draft_step_ratio"] is None
     assert rows["ssd"]["ssd_cache_hit_rate"] > 0.3
     assert any("skipping llama.cpp: llama-cpp-python is not installed" in n for n in report["notes"])
 
@@ -59,6 +62,7 @@ def test_bench_writes_json_markdown_and_plots(tiny, tmp_path, monkeypatch):
     assert saved["command"] == "specfork bench (test)" and saved["results"] == report["results"]
     md = paths["markdown"].read_text()
     assert "| run | dataset | tok/s |" in md and "specfork ssd k=3 fan_out=3 backup=jit" in md
+    assert "Acceptance by chain position" in md and "* specfork sd k=3 input_len=12, random: 1.00" in md
     for name in ("tok_per_s", "speedup", "accepted_length", "ssd_hit_rate", "latency_p50", "latency_p99"):
         assert paths[name].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = format_table(report)

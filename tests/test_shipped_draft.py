@@ -34,8 +34,12 @@ def ar_reference():
 def test_shipped_draft_is_small_and_shares_the_target_vocabulary(target_location):
     from specfork.loading.gguf_file import GGUFFile
 
-    path = shipped_drafts_dir() / SHIPPED_DRAFTS[target_location.path.name]
-    assert resolve_draft(None, target_location) == resolve_draft("default", target_location) == str(path)
+    assert "smollm2-135m-draft.gguf" in SHIPPED_DRAFTS[target_location.path.name]
+    path = shipped_drafts_dir() / "smollm2-135m-draft.gguf"
+    # By its name, and as the default of users that cannot run an EAGLE-3 head (SSD, transformers).
+    assert resolve_draft("smollm2-135m-draft", target_location) == str(path)
+    assert resolve_draft(None, target_location, heads=False) == resolve_draft("default", target_location, heads=False)
+    assert resolve_draft(None, target_location, heads=False) == str(path)
     assert path.stat().st_size <= 25 * 1024 * 1024
     draft, target = GGUFFile(path), GGUFFile(target_location.path)
     for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.eos_token_id"):
@@ -45,7 +49,7 @@ def test_shipped_draft_is_small_and_shares_the_target_vocabulary(target_location
 def test_sd_with_the_shipped_draft_reproduces_ar_exactly(ar_reference):
     ids, expected = ar_reference
     params = PARAMS
-    sd = LLM(mode="sd", k=5, deterministic=True)  # no draft given: the shipped one
+    sd = LLM(mode="sd", k=5, draft="smollm2-135m-draft", deterministic=True)
     outputs = sd.generate(ids, params)
     assert [o.token_ids for o in outputs] == expected
     from specfork.outputs import aggregate_metrics
@@ -58,7 +62,7 @@ def test_sd_with_the_shipped_draft_reproduces_ar_exactly(ar_reference):
 @pytest.mark.dist
 def test_ssd_with_the_shipped_draft_reproduces_ar_exactly(ar_reference):
     ids, expected = ar_reference
-    with LLM(mode="ssd", k=5, deterministic=True) as ssd:
+    with LLM(mode="ssd", k=5, deterministic=True) as ssd:  # no draft given: SSD's default is the draft model
         outputs = ssd.generate(ids, PARAMS)
         assert ssd.engine.step_strategy.proposer.failure is None
     assert [o.token_ids for o in outputs] == expected

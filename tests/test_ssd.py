@@ -279,6 +279,23 @@ def test_a_hung_drafter_costs_one_short_timeout_and_is_restarted(pair, caplog):
         assert llm.health().degraded is None
 
 
+def test_ssd_says_once_why_it_can_be_slow_when_the_target_gives_up_cores(pair, caplog):
+    from specfork.speculative.ssd.cores import core_sharing_warning
+
+    assert "the target verifies on 1 (SD and AR use all 2)" in core_sharing_warning((0,), 2)
+    assert core_sharing_warning((0, 1, 2, 3), 8) is None and core_sharing_warning(None, 1) is None
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores to split")
+    with caplog.at_level("WARNING", logger="specfork.speculative.factory"):
+        llm = LLM(pair["target"], mode="ssd", draft=pair["draft"], k=2, target_cores=str(cores[0]),
+                  draft_cores=str(cores[1]))
+        llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        llm.close()
+    said = [r.getMessage() for r in caplog.records if "SSD on this" in r.getMessage()]
+    assert len(said) == 1 and "can be slower than SD here" in said[0]
+
+
 def test_close_stops_the_drafter_process(pair):
     llm = LLM(pair["target"], mode="ssd", draft=pair["draft"], k=2)
     process = llm.engine.step_strategy.proposer.process

@@ -51,13 +51,17 @@ class Config:
                        "pre-drafts the next round for likely verification outcomes)", choices=MODES, group=SPECULATIVE)
     drafter: str = option("draft", "SD proposer: a draft model (--draft) or n-gram prompt lookup "
                           "(--ngram-min..--ngram-max tokens)", choices=DRAFTERS, group=SPECULATIVE)
-    draft: str | None = option(None, "draft model for --drafter draft: HF directory or .gguf file sharing the "
-                               "target's vocabulary, or 'default' (also used when omitted): the draft shipped "
-                               "with specfork for the embedded model", group=SPECULATIVE)
+    draft: str | None = option(None, "draft for --drafter draft: an HF directory or .gguf file sharing the "
+                               "target's vocabulary, an EAGLE-3 head directory (it reads the target's own "
+                               "features), or 'default' (also used when omitted): the draft shipped with specfork "
+                               "for the embedded model", group=SPECULATIVE)
     k: int | str = option(5, "tokens proposed per round, or auto (SD): chosen from the draft and target step times "
                           "measured at start-up and the acceptance observed while generating "
                           "(speculative/auto_k.py); the choice and its reasons are reported",
                           parse=int_or_auto, group=SPECULATIVE)
+    draft_confidence: float = option(0.0, "EAGLE-3 head: end a round's chain early when the head's probability "
+                                     "of the whole chain falls below this (0: always draft --k tokens)",
+                                     group=SPECULATIVE)
     ngram_min: int = option(1, "shortest n-gram matched by --drafter ngram", group=SPECULATIVE)
     ngram_max: int = option(4, "longest n-gram matched by --drafter ngram", group=SPECULATIVE)
     deterministic: bool = option(False, "batch-invariant kernels: greedy SD/SSD output is bit-identical to AR "
@@ -86,7 +90,8 @@ class Config:
         "restarts), or auto: 10x the expected answer from the observed round times, 2 to 60 s "
         "(speculative/ssd/deadline.py) (default: auto)", parse=seconds_or_auto, flag="--drafter-timeout", group=SSD)
     weights: str = option("native", "native: run a GGUF's Q4_0/Q4_1/Q8_0 matrices quantised (native CPU kernel, "
-                          "no per-step dequantisation); fp32: dequantise at load. Target and draft alike",
+                          "no per-step dequantisation; an EAGLE-3 head's projections run the int4 kernel); fp32: "
+                          "dequantise at load, heads stay float. Target and draft alike",
                           choices=WEIGHTS, group=ENGINE)
     quantize: str | None = option(None, "quantise an HF checkpoint's projections to 4 bits at load, for the same "
                                   "kernel (default: off, float32)", choices=QUANTIZE, group=ENGINE)
@@ -125,6 +130,9 @@ class Config:
             _positive("k", self.k)
         if self.k_max > 32:
             raise SpecforkError(f"k must be at most 32, got {self.k}")
+        if isinstance(self.draft_confidence, bool) or not isinstance(self.draft_confidence, (int, float)) \
+                or not 0.0 <= self.draft_confidence < 1.0:
+            raise SpecforkError(f"draft_confidence must be in [0, 1), got {self.draft_confidence!r}")
         _positive("ngram_min", self.ngram_min)
         _positive("ngram_max", self.ngram_max)
         if self.ngram_min > self.ngram_max:

@@ -55,6 +55,7 @@ def aggregate_metrics(outputs: list[RequestOutput]) -> dict:
             mean_accepted_length=(accepted + rounds) / rounds,
             draft_time_s=sum(x["draft_time_s"] for x in spec),
             target_time_s=sum(x["target_time_s"] for x in spec),
+            acceptance_by_position=_pooled_by_position(spec),
         )
     ssd = [x for x in m if x.get("ssd_requests")]
     if ssd:
@@ -69,3 +70,18 @@ def aggregate_metrics(outputs: list[RequestOutput]) -> dict:
             ssd_hidden_fraction=max(0.0, 1.0 - waited / drafter_s) if drafter_s else None,
         )
     return agg
+
+
+def _pooled_by_position(metrics: list[dict]) -> list[float]:
+    """Accepted / proposed draft tokens at each chain position, pooled over requests."""
+    accepted: list[int] = []
+    proposed: list[int] = []
+    for m in metrics:
+        for i, (a, p) in enumerate(zip(m.get("accepted_by_position", ()), m.get("proposed_by_position", ()),
+                                       strict=True)):
+            if i == len(proposed):
+                accepted.append(0)
+                proposed.append(0)
+            accepted[i] += a
+            proposed[i] += p
+    return [a / p for a, p in zip(accepted, proposed, strict=True) if p]

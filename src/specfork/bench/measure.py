@@ -29,6 +29,9 @@ class RunResult:
     ttft_s: dict = field(default_factory=dict)
     point: int = 0  # index of the sweep point it belongs to
     weight_GBps: float | None = None  # --bandwidth, specfork AR: weight bytes per step x decode steps/s
+    acceptance_by_position: list[float] | None = None  # accepted / proposed at each chain position
+    draft_step_ratio: float | None = None  # one draft step / one target decode step (SD with a draft or head)
+    ssd_hidden_fraction: float | None = None  # share of the drafter's work hidden behind verification
 
 
 def time_passes(generate_group: Callable[[list[list[int]]], list], prompts: list[list[int]], s: BenchSettings,

@@ -6,12 +6,13 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-COLUMNS = ("run", "dataset", "tok/s", "min-max", "vs AR", "accept len", "hit rate", "= AR", "p50 s", "p99 s")
+COLUMNS = ("run", "dataset", "tok/s", "min-max", "vs AR", "accept len", "hit rate", "hidden", "draft/target", "= AR",
+           "p50 s", "p99 s")
 
 
 def _label(r: dict) -> str:
     st = r["settings"]
-    extra = {k: st.get(k) for k in ("k", "fan_out", "backup")}
+    extra = {k: st.get(k) for k in ("k", "draft_confidence", "fan_out", "backup")}
     if st.get("batch_size", 1) != 1:
         extra["batch"] = st["batch_size"]
     if st.get("input_len") is not None:
@@ -37,7 +38,8 @@ def with_means(report: dict) -> list[dict]:
             mean["dataset"] = "all"
             for key in ("tok_per_s", "tok_per_s_min", "tok_per_s_max"):
                 mean[key] = sum(g[key] for g in group) / len(group)
-            for key in ("mean_accepted_length", "ssd_cache_hit_rate", "match_ar", "weight_GBps"):
+            for key in ("mean_accepted_length", "ssd_cache_hit_rate", "ssd_hidden_fraction", "draft_step_ratio",
+                        "match_ar", "weight_GBps"):
                 vals = [g[key] for g in group if g.get(key) is not None]
                 mean[key] = sum(vals) / len(vals) if vals else None
             mean["latency_s"] = {}
@@ -98,6 +100,8 @@ def table_rows(report: dict) -> list[list[str]]:
             f"{r['tok_per_s'] / base:.2f}x" if base else "-",
             _fmt(r.get("mean_accepted_length")),
             _fmt(r.get("ssd_cache_hit_rate")),
+            _fmt(r.get("ssd_hidden_fraction")),
+            f"1/{1 / r['draft_step_ratio']:.1f}" if r.get("draft_step_ratio") else "-",
             _match_cell(r),
             _fmt(r.get("latency_s", {}).get("p50")),
             _fmt(r.get("latency_s", {}).get("p99")),
@@ -140,15 +144,23 @@ def markdown(report: dict, command: str) -> str:
         "",
         f"{s['num_prompts']} prompts per dataset, {s['output_len']} output tokens (EOS ignored), temperature "
         f"{s['temperature']}, batch size {s['batch_size']}, median of {s['repeat']} run(s) after {s['warmup']} "
-        "warm-up run(s). \"= AR\": share of requests whose tokens equal specfork AR's (greedy runs).",
+        "warm-up run(s). \"= AR\": share of requests whose tokens equal specfork AR's (greedy runs). hidden: share "
+        "of SSD's drafting hidden behind verification; draft/target: one draft step over one target decode step.",
         *_bandwidth_note(report),
         "",
         "| " + " | ".join(columns(report)) + " |",
         "|" + "---|" * len(columns(report)),
     ]
     body = ["| " + " | ".join(row) + " |" for row in table_rows(report)]
-    notes = [""] + [f"* {n}" for n in report.get("notes", [])]
+    notes = [""] + [f"* {n}" for n in report.get("notes", [])] + _acceptance_lines(report)
     return "\n".join(head + body + notes) + "\n"
+
+
+def _acceptance_lines(report: dict) -> list[str]:
+    """Acceptance by chain position of every speculative run (accepted / proposed drafts)."""
+    lines = [f"* {_label(r)}, {r['dataset']}: " + " ".join(f"{a:.2f}" for a in r["acceptance_by_position"])
+             for r in report["results"] if r.get("acceptance_by_position")]
+    return ["", "Acceptance by chain position (accepted / proposed drafts at positions 1, 2, ...):", *lines] if lines else []
 
 
 def _bandwidth_note(report: dict) -> list[str]:
@@ -183,16 +195,16 @@ def plots(report: dict, directory: Path) -> list[Path]:
     rows = table_rows(report)
     datasets = list(dict.fromkeys(r[1] for r in rows))
     charts = {
-        "tok_per_s": (2, "tokens/s", "generated tokens per second"),
-        "speedup": (4, "speedup over specfork AR", "x specfork AR"),
-        "accepted_length": (5, "mean accepted length", "tokens per target forward"),
-        "ssd_hit_rate": (6, "SSD cache hit rate", "share of rounds served from the cache"),
-        "latency_p50": (8, "end-to-end latency p50", "seconds per request"),
-        "latency_p99": (9, "end-to-end latency p99", "seconds per request"),
+        "tok_per_s": ("tok/s", "tokens/s", "generated tokens per second"),
+        "speedup": ("vs AR", "speedup over specfork AR", "x specfork AR"),
+        "accepted_length": ("accept len", "mean accepted length", "tokens per target forward"),
+        "ssd_hit_rate": ("hit rate", "SSD cache hit rate", "share of rounds served from the cache"),
+        "latency_p50": ("p50 s", "end-to-end latency p50", "seconds per request"),
+        "latency_p99": ("p99 s", "end-to-end latency p99", "seconds per request"),
     }
     written = []
-    for name, (col, title, unit) in charts.items():
-        runs, values = chart_series(rows, col)
+    for name, (column, title, unit) in charts.items():
+        runs, values = chart_series(rows, COLUMNS.index(column))
         for stale in directory.glob(f"{name}.png"):
             stale.unlink()  # a chart from an earlier run in this directory would be misread as this run's
         if not runs:

@@ -61,7 +61,7 @@ def load_prompt_ids(llm, dataset: str, settings: BenchSettings) -> list[list[int
 def _engine_options(mode: str, s: BenchSettings) -> dict:
     options = {"threads": s.threads, "max_num_seqs": max(s.batch_size, 1)}
     if mode == "sd":
-        options.update(mode="sd", draft=s.draft, k=s.k)
+        options.update(mode="sd", draft=s.draft, k=s.k, draft_confidence=s.draft_confidence)
     elif mode == "ngram":
         options.update(mode="sd", drafter="ngram", k=s.k)
     elif mode == "ssd":
@@ -81,6 +81,7 @@ def run_specfork(mode: str, dataset: str, prompts: list[list[int]], s: BenchSett
         speeds, outputs, _ = time_passes(lambda group: llm.generate(group, params), prompts, s,
                                          count=lambda o: len(o.token_ids), progress=progress)
         step_bytes = weight_bytes(llm.engine.loaded.model)["weights"] if s.bandwidth and mode == "ar" else None
+        draft_ratio = _draft_step_ratio(llm) if mode == "sd" else None
     agg = aggregate_metrics(outputs)
     result = RunResult(
         name=f"specfork {mode}",
@@ -91,6 +92,9 @@ def run_specfork(mode: str, dataset: str, prompts: list[list[int]], s: BenchSett
         tokens=agg["num_generated_tokens"],
         mean_accepted_length=agg.get("mean_accepted_length"),
         ssd_cache_hit_rate=agg.get("ssd_cache_hit_rate"),
+        acceptance_by_position=agg.get("acceptance_by_position"),
+        draft_step_ratio=draft_ratio,
+        ssd_hidden_fraction=agg.get("ssd_hidden_fraction"),
         latency_s=percentiles([o.metrics["time_s"] for o in outputs]),
         ttft_s=percentiles([o.metrics["ttft_s"] for o in outputs if o.metrics.get("ttft_s") is not None]),
     )
@@ -100,10 +104,24 @@ def run_specfork(mode: str, dataset: str, prompts: list[list[int]], s: BenchSett
     return result, [o.token_ids for o in outputs]
 
 
+def _draft_step_ratio(llm) -> float | None:
+    """One draft step (a draft model's forward, or an EAGLE-3 head step) over one target decode
+    step, both of one token after a 64-token context, measured side by side."""
+    from specfork.speculative.auto_k import measure_forward
+
+    proposer = llm.engine.step_strategy.proposer
+    if not hasattr(proposer, "draft_step_seconds"):
+        return None
+    target = measure_forward(llm.engine.runner, llm.engine.block_manager, 1)
+    return proposer.draft_step_seconds() / target
+
+
 def _cell_settings(mode: str, s: BenchSettings) -> dict:
     keep = {"output_len", "temperature", "batch_size", "input_len"}
     if mode != "ar":
         keep |= {"k"}
+    if mode == "sd" and s.draft_confidence:
+        keep |= {"draft_confidence"}
     if mode == "ssd":
         keep |= {"fan_out", "backup"}
     return {k: v for k, v in asdict(s).items() if k in keep}

@@ -12,7 +12,7 @@ from specfork.options import comma_list, int_or_auto, option
 MODES = ("ar", "sd", "ssd", "ngram")
 DATASETS = ("humaneval", "sharegpt", "random")
 PEERS = ("transformers", "llama.cpp")
-SWEEPABLE = {"k": int_or_auto, "fan_out": int, "temperature": float, "input_len": int, "batch_size": int, "dataset": str}
+SWEEPABLE = {"k": int_or_auto, "draft_confidence": float, "fan_out": int, "temperature": float, "input_len": int, "batch_size": int, "dataset": str}
 
 
 def dataset_list(text: str) -> tuple[str, ...]:
@@ -34,6 +34,8 @@ class BenchSettings:
     temperature: float = option(0.0, "0 = greedy")
     k: int | str = option(5, "speculated tokens per round, or auto (sd and ngram modes: chosen from measured "
                           "costs)", parse=int_or_auto)
+    draft_confidence: float = option(0.0, "SD with an EAGLE-3 head: end a chain when the head's probability of it "
+                                     "falls below this (0: always k)")
     fan_out: int = option(3, "SSD fan-out per outcome")
     backup: str = option("jit", "SSD cache-miss backup", choices=SSD_BACKUPS)
     batch_size: int = option(1, "concurrent requests")

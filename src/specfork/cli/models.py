@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from specfork.errors import SpecforkError
 
@@ -22,7 +23,10 @@ def run(args: argparse.Namespace) -> int:
         except SpecforkError as e:
             where = f"unavailable: {e}"
         print(f"{alias}\t{where}")
-        for target, draft in SHIPPED_DRAFTS.items():
+        for target, drafts in SHIPPED_DRAFTS.items():
             if where.endswith(target):
-                print(f"  default draft\t{shipped_drafts_dir() / draft}")
+                present = [d for d in drafts if (shipped_drafts_dir() / d).exists()]
+                for rank, draft in enumerate(present):  # the first is the default (for SSD: the first model)
+                    role = "default draft" if rank == 0 else "draft"
+                    print(f"  {role}\t{Path(draft).stem}\t{shipped_drafts_dir() / draft}")
     return 0

@@ -27,10 +27,14 @@ class FusedDecodeLayer:
         self._weights, self._formats = weights, formats
         self._heads = (num_heads, num_kv_heads)
         self._eps, self._scale = eps, scale
+        self._no_input = torch.empty(0)  # attn_input of a Llama layer: attention reads rms_norm(x)
 
-    def __call__(self, x: torch.Tensor, rope: RopeTables, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rope: RopeTables, cache: torch.Tensor, meta: AttentionMetadata,
+                 attn_input: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's output for residual stream ``x``; ``attn_input``: what attention reads
+        instead of ``rms_norm(x)`` (a layer shaped like EAGLE-3's head), None for a Llama layer."""
         return self._kernels.decoder_layer_decode(
-            x.contiguous(), self._weights, self._formats, rope.cos, rope.sin_signed, cache, meta.block_tables,
+            x.contiguous(), self._no_input if attn_input is None else attn_input, self._weights, self._formats, rope.cos, rope.sin_signed, cache, meta.block_tables,
             meta.seq_index, meta.positions, meta.slot_mapping, *self._heads, self._eps, self._scale,
         )
 

@@ -176,3 +176,48 @@ def save_eagle3(directory: Path, config: Eagle3Config, tensors: dict[str, torch.
     out["t2d"] = t2d
     save_file(out, str(directory / "model.safetensors"))
     (directory / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
+
+
+def load_eagle3_head(directory: Path, target, *, device: torch.device, quantize_group: int | None = None):
+    """The head in ``directory`` for ``target`` (a LoadedModel): it shares the target's
+    embedding (unless the checkpoint stores its own) and runs in the target's dtype; with
+    ``quantize_group`` its projections run the native int4 kernel (CPU float32)."""
+    from specfork.models.eagle3 import Eagle3Head
+
+    config = read_eagle3_config(directory)
+    t = target.arch
+    if config.arch.vocab_size != t.vocab_size:
+        raise ModelLoadError(f"EAGLE-3 head {directory} is for a vocabulary of {config.arch.vocab_size} tokens, the "
+                             f"target has {t.vocab_size}")
+    if config.target_hidden_size != t.hidden_size or config.arch.hidden_size != t.hidden_size:
+        raise ModelLoadError(f"EAGLE-3 head {directory} is for a target of hidden size {config.target_hidden_size}, "
+                             f"the target has {t.hidden_size}")
+    config.layers_for(t.num_layers)
+    tensors = load_eagle3_tensors(directory)
+    draft_ids = draft_to_target(tensors, config)
+    dtype = target.model.embed_tokens.weight.dtype
+    embed = target.model.embed_tokens
+    if "embed_tokens.weight" in tensors:
+        embed = torch.nn.Embedding.from_pretrained(tensors.pop("embed_tokens.weight").to(dtype), freeze=True)
+    if quantize_group is not None and device.type == "cpu" and dtype == torch.float32:
+        from specfork.layers.quantized import quantize_int4
+
+        for name, tensor in list(tensors.items()):
+            if tensor.dim() == 2 and name != "d2t" and not name.endswith("norm.weight") \
+                    and tensor.shape[1] % quantize_group == 0:
+                tensors[name] = quantize_int4(tensor.to(dtype), quantize_group)
+
+    def take(name: str):
+        tensor = tensors.pop(name, None)
+        if tensor is None or not isinstance(tensor, torch.Tensor):
+            return tensor
+        return tensor.to(device=device, dtype=dtype)
+
+    try:
+        head = Eagle3Head(config, take, embed, draft_ids, target.model.rotary.cos.shape[0]).to(device)
+    except RuntimeError as e:
+        raise ModelLoadError(f"EAGLE-3 head {directory}: tensors do not match the config: {e}") from None
+    tensors.pop("d2t", None)
+    if tensors:
+        raise ModelLoadError(f"EAGLE-3 head {directory} has unexpected tensors: {sorted(tensors)[:3]}")
+    return head.eval()

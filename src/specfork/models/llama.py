@@ -32,16 +32,16 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        weight = torch.cat([_need(take, f"{prefix}.{n}_proj.weight") for n in ("q", "k", "v")])
+        weight = torch.cat([need(take, f"{prefix}.{n}_proj.weight") for n in ("q", "k", "v")])
         bias = None
         if cfg.qkv_bias:
-            bias = torch.cat([_need(take, f"{prefix}.{n}_proj.bias") for n in ("q", "k", "v")])
+            bias = torch.cat([need(take, f"{prefix}.{n}_proj.bias") for n in ("q", "k", "v")])
         self.qkv_proj = make_linear(weight, bias)
-        self.o_proj = make_linear(_need(take, f"{prefix}.o_proj.weight"), take(f"{prefix}.o_proj.bias"))
+        self.o_proj = make_linear(need(take, f"{prefix}.o_proj.weight"), take(f"{prefix}.o_proj.bias"))
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(_need(take, f"{prefix}.q_norm.weight"), cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(_need(take, f"{prefix}.k_norm.weight"), cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(need(take, f"{prefix}.q_norm.weight"), cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(need(take, f"{prefix}.k_norm.weight"), cfg.rms_norm_eps)
         self.scale = cfg.head_dim**-0.5
 
     def forward(self, x: torch.Tensor, rope: RopeTables, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -60,10 +60,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, take: WeightSource, prefix: str) -> None:
         super().__init__()
-        gate, up = _need(take, f"{prefix}.gate_proj.weight"), _need(take, f"{prefix}.up_proj.weight")
+        gate, up = need(take, f"{prefix}.gate_proj.weight"), need(take, f"{prefix}.up_proj.weight")
         self.intermediate = gate.shape[0]
         self.gate_up_proj = make_linear(torch.cat([gate, up]))
-        self.down_proj = make_linear(_need(take, f"{prefix}.down_proj.weight"))
+        self.down_proj = make_linear(need(take, f"{prefix}.down_proj.weight"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -73,10 +73,10 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelArchConfig, take: WeightSource, prefix: str) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(_need(take, f"{prefix}.input_layernorm.weight"), cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(need(take, f"{prefix}.input_layernorm.weight"), cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, take, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(
-            _need(take, f"{prefix}.post_attention_layernorm.weight"), cfg.rms_norm_eps
+            need(take, f"{prefix}.post_attention_layernorm.weight"), cfg.rms_norm_eps
         )
         self.mlp = MLP(take, f"{prefix}.mlp")
         attn = self.self_attn
@@ -100,10 +100,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelArchConfig, take: WeightSource, max_positions: int) -> None:
         super().__init__()
         self.config = cfg
-        embed = _need(take, "model.embed_tokens.weight")
+        embed = need(take, "model.embed_tokens.weight")
         self.embed_tokens = nn.Embedding.from_pretrained(dense(embed), freeze=True)
         self.layers = nn.ModuleList(DecoderLayer(cfg, take, f"model.layers.{i}") for i in range(cfg.num_layers))
-        self.norm = RMSNorm(_need(take, "model.norm.weight"), cfg.rms_norm_eps)
+        self.norm = RMSNorm(need(take, "model.norm.weight"), cfg.rms_norm_eps)
         head = take("lm_head.weight")
         if head is None:
             if not cfg.tie_word_embeddings:
@@ -127,21 +127,20 @@ class LlamaForCausalLM(nn.Module):
         order, [T, len(capture) * hidden]. Capturing changes nothing that is computed."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary.at(positions)
-        features = []
+        inputs = {}
         for index, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if index in capture:
-                features.append(x)
+                inputs[index] = x
             x = layer(x, rope, cache, meta)
         if not capture:
             return self.norm(x)
-        order = sorted(capture)
-        return self.norm(x), torch.cat([features[order.index(i)] for i in capture], dim=-1)
+        return self.norm(x), torch.cat([inputs[i] for i in capture], dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
 
-def _need(take: WeightSource, name: str) -> torch.Tensor:
+def need(take: WeightSource, name: str) -> torch.Tensor:
     tensor = take(name)
     if tensor is None:
         raise ModelLoadError(f"checkpoint is missing the tensor {name!r}")

@@ -7,6 +7,13 @@ step times are measured once on this machine when the engine is built; a is esti
 recent rounds (the maximum-likelihood estimate for a geometric run of acceptances, with older
 rounds forgotten gradually and a weak prior) and k is re-planned every few rounds. k = 0 (plain decoding) is allowed when no
 speculation pays; a k = 1 probe round now and then keeps the estimate of a current.
+
+The measured step times leave out what a real round adds (sampling the drafts, the draft
+catching up on accepted tokens, verification, bookkeeping), and that overhead differs between
+k = 0 and k > 0. So every round's wall time is compared with its modelled time, and the ratio
+(per k, a moving average; an unmeasured k borrows the nearest measured one's) scales the model's
+round times. A k = 0 probe round now and then, while speculating, keeps plain decoding's real
+rate known: ``k auto`` falls back to it whenever speculation does not pay.
 """
 
 from __future__ import annotations
@@ -26,8 +33,10 @@ logger = logging.getLogger(__name__)
 PRIOR_ALPHA = 0.5
 PRIOR_TRIALS = 4.0
 REPLAN_EVERY = 8  # rounds
-PROBE_EVERY = 32  # rounds at k = 0 between k = 1 probes
+PROBE_EVERY = 32  # rounds between probes of another k (k = 1 at k = 0, k = 0 otherwise)
+FIRST_PROBE = 4  # the round of the first probe, so that plain decoding's real cost is known early
 DECAY = 0.98  # per round: acceptance counts forget with a horizon of about 50 rounds
+OVERHEAD_WEIGHT = 0.3  # weight of a new round in the moving average of measured / modelled time
 
 
 @dataclass(frozen=True)
@@ -74,13 +83,20 @@ class Plan:
         return self.expected_tokens / self.round_s
 
 
-def plan(costs: StepCosts, alpha: float, k_max: int = K_MAX) -> list[Plan]:
-    """The expected rate of every k in 0..k_max, best first."""
+def plan(costs: StepCosts, alpha: float, k_max: int = K_MAX,
+         overhead: Callable[[int], float] = lambda k: 1.0) -> list[Plan]:
+    """The expected rate of every k in 0..k_max, best first; ``overhead(k)`` scales the modelled
+    round time of k (measured / modelled)."""
     plans = []
     for k in range(0, k_max + 1):
         expected = float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-        plans.append(Plan(k, alpha, expected, k * costs.draft_s + costs.verify_s[k]))
+        plans.append(Plan(k, alpha, expected, modelled_round_s(costs, k) * overhead(k)))
     return sorted(plans, key=lambda p: -p.tokens_per_s)
+
+
+def modelled_round_s(costs: StepCosts, k: int) -> float:
+    """T(k) = k * t_draft + t_verify(k + 1)."""
+    return k * costs.draft_s + costs.verify_s[k]
 
 
 class AutoK:
@@ -93,6 +109,7 @@ class AutoK:
         self.trials = 0.0
         self.rounds = 0
         self._since_plan = 0
+        self._overhead: dict[int, float] = {}  # k -> moving average of measured / modelled round time
         self.current = plan(costs, self.alpha, k_max)[0]
         logger.info("k auto: %s", self.explain())
 
@@ -102,9 +119,19 @@ class AutoK:
 
     def k_for_round(self) -> int:
         self.rounds += 1
-        if self.current.k == 0 and self.rounds % PROBE_EVERY == 0:
-            return 1
+        if self.rounds % PROBE_EVERY == FIRST_PROBE:
+            return 1 if self.current.k == 0 else 0
         return self.current.k
+
+    def overhead(self, k: int) -> float:
+        """Measured / modelled round time of k; an unmeasured k borrows the nearest measured k's
+        (the nearest below on a tie); 1 before any round."""
+        if k in self._overhead:
+            return self._overhead[k]
+        if not self._overhead:
+            return 1.0
+        nearest = min(self._overhead, key=lambda m: (abs(m - k), m))
+        return self._overhead[nearest]
 
     def observe(self, proposed: int, accepted: int) -> None:
         """One sequence's round: ``accepted`` of ``proposed`` draft tokens."""
@@ -113,13 +140,17 @@ class AutoK:
         self.accepted += accepted
         self.trials += accepted + (1 if accepted < proposed else 0)
 
-    def end_round(self) -> None:
+    def end_round(self, k: int, seconds: float) -> None:
+        """A round that proposed up to ``k`` tokens per sequence took ``seconds`` of wall time."""
+        ratio = seconds / max(modelled_round_s(self.costs, k), 1e-9)
+        old = self._overhead.get(k)
+        self._overhead[k] = ratio if old is None else (1 - OVERHEAD_WEIGHT) * old + OVERHEAD_WEIGHT * ratio
         self.accepted *= DECAY
         self.trials *= DECAY
         self._since_plan += 1
         if self._since_plan >= REPLAN_EVERY:
             self._since_plan = 0
-            best = plan(self.costs, self.alpha, self.k_max)[0]
+            best = plan(self.costs, self.alpha, self.k_max, self.overhead)[0]
             if best.k != self.current.k:
                 logger.info("k auto: k %d -> %d (%s)", self.current.k, best.k, self._why(best))
             self.current = best
@@ -128,12 +159,13 @@ class AutoK:
         return self._why(self.current)
 
     def _why(self, chosen: Plan) -> str:
-        ar = plan(self.costs, self.alpha, 0)[0]
+        ar = plan(self.costs, self.alpha, 0, self.overhead)[0]
         verify = ", ".join(f"{t * 1000:.1f}" for t in self.costs.verify_s)
         return (
             f"k={chosen.k}: acceptance per token a={chosen.alpha:.2f} (recent draft positions, weighted: "
             f"{self.trials:.0f}), "
             f"draft step {self.costs.draft_s * 1000:.2f} ms, target forward of 1..{len(self.costs.verify_s)} rows "
-            f"[{verify}] ms -> {chosen.expected_tokens:.2f} tokens per {chosen.round_s * 1000:.1f} ms round = "
+            f"[{verify}] ms, measured rounds {self.overhead(chosen.k):.2f}x the model's -> "
+            f"{chosen.expected_tokens:.2f} tokens per {chosen.round_s * 1000:.1f} ms round = "
             f"{chosen.tokens_per_s:.1f} tok/s expected vs {ar.tokens_per_s:.1f} tok/s without speculation"
         )

@@ -24,9 +24,10 @@ class DraftSpec:
 
 
 def draft_spec(config: Config, target: LoadedModel) -> DraftSpec:
-    """The draft for ``target`` as configured (``config.draft``, or the shipped default)."""
+    """The draft for ``target`` as configured (``config.draft``, or the shipped default: for SSD,
+    which does not run EAGLE-3 heads yet, the first shipped draft model)."""
     return DraftSpec(
-        path=resolve_draft(config.draft, target.location),
+        path=resolve_draft(config.draft, target.location, heads=config.mode != "ssd"),
         dtype=str(target.model.embed_tokens.weight.dtype).removeprefix("torch."),
         max_positions=target.model.rotary.cos.shape[0],
         load_options=config.load_options,
@@ -41,6 +42,27 @@ def load_draft(spec: DraftSpec, device: torch.device, target: LoadedModel | None
     if target is not None:
         check_vocabularies(target, draft)
     return draft
+
+
+def is_head(spec: DraftSpec) -> bool:
+    """Whether the draft is an EAGLE-3 head (it reads the target's features) rather than a model."""
+    from pathlib import Path
+
+    from specfork.loading.eagle3 import is_eagle3_checkpoint
+
+    return is_eagle3_checkpoint(Path(spec.path))
+
+
+def load_head(spec: DraftSpec, device: torch.device, target: LoadedModel):
+    """The EAGLE-3 head for ``target`` (it shares the target's embedding, so it loads where the
+    target is)."""
+    from specfork.loading.eagle3 import load_eagle3_head
+
+    options = spec.load_options
+    # A head's step must cost a small fraction of a target step: under "native" weights its
+    # projections run the int4 kernel (groups of 32 unless --quantize-group says otherwise).
+    group = options["quantize_group"] or (32 if options["weights"] == "native" else None)
+    return load_eagle3_head(spec.path, target, device=device, quantize_group=group)
 
 
 def check_draft_vocabulary(spec: DraftSpec, target: LoadedModel) -> None:

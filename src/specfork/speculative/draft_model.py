@@ -7,10 +7,10 @@ import torch
 
 from specfork.engine.sequence import Sequence
 from specfork.speculative.draft_runner import DraftRunner, DraftState
-from specfork.speculative.proposer import Proposal
+from specfork.speculative.proposer import Proposal, ReadsNoFeatures
 
 
-class DraftModelProposer:
+class DraftModelProposer(ReadsNoFeatures):
     def __init__(self, draft_model, *, vocab_size: int, num_blocks: int, block_size: int,
                  device: torch.device) -> None:
         self.drafts = DraftRunner(draft_model, vocab_size=vocab_size, num_blocks=num_blocks, block_size=block_size,
@@ -30,6 +30,12 @@ class DraftModelProposer:
         if st is not None:
             # The draft's KV is valid for the committed tokens before the new correction/bonus.
             st.keep(len(seq) - 1)
+
+    def draft_step_seconds(self) -> float:
+        """Median time of one draft forward (one token after a 64-token context)."""
+        from specfork.speculative.auto_k import measure_forward
+
+        return measure_forward(self.drafts.runner, self.drafts.blocks, 1)
 
     def release(self, seq: Sequence) -> None:
         st = self._states.pop(seq.seq_id, None)

@@ -68,7 +68,7 @@ class DraftRunner:
             decode = max(len(f) for f in feeds) <= max(num_tokens) + 1
             logits = self.runner.forward(
                 [states[i] for i in active], [states[i].num_cached_tokens for i in active], feeds,
-                _last_rows(feeds), decode=decode,
+                last_rows(feeds), decode=decode,
             )[:, : self.vocab_size]
             for i, f in zip(active, feeds, strict=True):
                 states[i].num_cached_tokens += len(f)
@@ -93,7 +93,7 @@ def _uncached(state: DraftState, context: list[int], drafted: list[int]) -> list
     return context[start:] + drafted
 
 
-def _last_rows(feeds: list[list[int]]) -> list[int]:
+def last_rows(feeds: list[list[int]]) -> list[int]:
     """The flat row of each feed's last token."""
     rows, offset = [], 0
     for f in feeds:

@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import logging
+import os
+
 from specfork.engine.llm_engine import LLMEngine
 from specfork.errors import SpecforkError
-from specfork.speculative.draft_loading import check_draft_vocabulary, draft_spec, load_draft
+from specfork.speculative.draft_loading import (
+    check_draft_vocabulary,
+    draft_spec,
+    is_head,
+    load_draft,
+    load_head,
+)
 from specfork.speculative.draft_model import DraftModelProposer
+from specfork.speculative.eagle3_proposer import Eagle3Proposer
 from specfork.speculative.ngram import NgramProposer
 from specfork.speculative.sd_step import SpeculativeStep
+
+logger = logging.getLogger(__name__)
 
 
 def build_speculative_step(engine: LLMEngine) -> SpeculativeStep:
@@ -15,15 +27,16 @@ def build_speculative_step(engine: LLMEngine) -> SpeculativeStep:
     if config.drafter == "ngram":
         proposer = NgramProposer(min_n=config.ngram_min, max_n=config.ngram_max)
     else:
-        draft = load_draft(draft_spec(config, engine.loaded), engine.device, target=engine.loaded)
-        proposer = _draft_proposer(engine, draft)
+        spec = draft_spec(config, engine.loaded)
+        proposer = _head_proposer(engine, spec) if is_head(spec) else _draft_proposer(
+            engine, load_draft(spec, engine.device, target=engine.loaded))
     auto_k = None
     if config.auto_k:
         from specfork.config import K_MAX
         from specfork.speculative.auto_k import AutoK, StepCosts, measure_forward
 
         verify = tuple(measure_forward(engine.runner, engine.block_manager, m) for m in range(1, K_MAX + 2))
-        draft_s = 0.0 if config.drafter == "ngram" else measure_forward(proposer.drafts.runner, proposer.drafts.blocks, 1)
+        draft_s = 0.0 if config.drafter == "ngram" else proposer.draft_step_seconds()
         auto_k = AutoK(StepCosts(draft_s, verify))
     return SpeculativeStep(engine.runner, proposer, k=config.k_max, max_model_len=engine.max_model_len, auto_k=auto_k)
 
@@ -33,13 +46,22 @@ def _draft_proposer(engine: LLMEngine, draft) -> DraftModelProposer:
                               block_size=engine.config.block_size, device=engine.device)
 
 
+def _head_proposer(engine: LLMEngine, spec) -> Eagle3Proposer:
+    head = load_head(spec, engine.device, engine.loaded)
+    return Eagle3Proposer(
+        head, feature_layers=head.head_config.layers_for(engine.loaded.arch.num_layers),
+        vocab_size=engine.loaded.arch.vocab_size, num_blocks=engine.num_kv_blocks, block_size=engine.config.block_size,
+        device=engine.device, min_confidence=engine.config.draft_confidence,
+    )
+
+
 def build_ssd_step(engine: LLMEngine, drafter=None) -> SpeculativeStep:
     """SSD: the same verification step, fed by a drafter process (see ``speculative/ssd``). ``drafter``:
     a :class:`DrafterProcess` started earlier and not yet launched (None starts one now). The
     in-process fallback draft is loaded only if the drafter process fails."""
     import torch
 
-    from specfork.speculative.ssd.cores import TargetPinning, split_cores
+    from specfork.speculative.ssd.cores import TargetPinning, core_sharing_warning, split_cores
     from specfork.speculative.ssd.messages import DrafterLaunch
     from specfork.speculative.ssd.proposer import SSDProposer
 
@@ -47,8 +69,15 @@ def build_ssd_step(engine: LLMEngine, drafter=None) -> SpeculativeStep:
     if config.drafter != "draft":
         raise SpecforkError("SSD needs a draft model (drafter 'draft'); n-gram lookup has nothing to pre-draft")
     spec = draft_spec(config, engine.loaded)
+    if is_head(spec):
+        raise SpecforkError("SSD with an EAGLE-3 head is not supported yet: use --mode sd with the head, or give "
+                            "SSD a draft model with --draft")
     check_draft_vocabulary(spec, engine.loaded)
     target_cores, drafter_cores = split_cores(config)
+    if engine.device.type == "cpu":
+        warning = core_sharing_warning(target_cores, len(os.sched_getaffinity(0)))
+        if warning:
+            logger.warning(warning)
     drafter_device = config.drafter_device
     if drafter_device is None:
         if engine.device.type == "cuda" and torch.cuda.device_count() > 1:

@@ -40,6 +40,16 @@ class Proposal:
 
 
 class Proposer(Protocol):
+    feature_layers: tuple[int, ...]
+    """Target layers whose inputs the proposer reads (EAGLE-3); empty: it reads none and the
+    target captures nothing."""
+
+    def observe_features(self, seq: Sequence, first_position: int, features: torch.Tensor) -> None:
+        """The target computed positions ``first_position...`` of ``seq`` (and kept them: a
+        prefill chunk, or the accepted positions of a verification); ``features`` [n, len(layers) *
+        hidden] are their features."""
+        ...
+
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
         """Propose up to ``num_tokens[i]`` tokens after the current tokens of ``seqs[i]``."""
         ...
@@ -54,7 +64,16 @@ class Proposer(Protocol):
         ...
 
 
-class StatelessProposer:
+class ReadsNoFeatures:
+    """A proposer that does not read the target's features."""
+
+    feature_layers: tuple[int, ...] = ()
+
+    def observe_features(self, seq: Sequence, first_position: int, features: torch.Tensor) -> None:
+        pass
+
+
+class StatelessProposer(ReadsNoFeatures):
     """A proposer that keeps nothing per sequence (n-gram lookup, no proposals at all)."""
 
     def accepted(self, seq: Sequence, num_accepted: int) -> None:

@@ -56,6 +56,8 @@ class SpecStats:
             "acceptance_by_position": [
                 a / p if p else None for a, p in zip(self.accepted_by_position, self.proposed_by_position, strict=True)
             ],
+            "accepted_by_position": list(self.accepted_by_position),
+            "proposed_by_position": list(self.proposed_by_position),
             "draft_time_s": self.draft_time_s,
             "target_time_s": self.target_time_s,
         }
@@ -74,10 +76,14 @@ class SpeculativeStep:
         self.lookahead = k
         self.max_model_len = max_model_len
         self._accepted: dict[int, int] = {}  # seq_id -> drafts accepted in its last round
+        if proposer.feature_layers:
+            target.capture_features(proposer.feature_layers)
 
     def execute(self, batch: ScheduledBatch) -> dict[Sequence, NewTokens]:
         if batch.is_prefill:
+            starts = [s.num_cached_tokens for s in batch.seqs]
             logits = self.target.run_batch(batch)
+            self._share_features(batch.seqs, starts, _spans(batch.num_new_tokens))
             sampling = [s for s, samples in zip(batch.seqs, batch.samples, strict=True) if samples]
             return sample_new_tokens(logits, sampling) if sampling else {}
         seqs = batch.seqs
@@ -90,6 +96,9 @@ class SpeculativeStep:
         t2 = time.perf_counter()
         results, spans = self._verify(seqs, proposal, logits)
         draft_s, target_s = t1 - t0, t2 - t1
+        # The last committed token and the accepted proposals: the positions the target keeps.
+        self._share_features(seqs, [s.num_cached_tokens for s in seqs],
+                             [(first, 1 + r.num_accepted) for (first, _), r in zip(spans, results, strict=True)])
         out = {}
         for seq, props, result, (first, _) in zip(seqs, proposal.tokens, results, spans, strict=True):
             # The last committed token and the accepted proposals are now in the target cache.
@@ -106,7 +115,7 @@ class SpeculativeStep:
                 logprobs = logprob_entries(rows, result.tokens, seq.params.logprobs)
             out[seq] = NewTokens(result.tokens, logprobs)
         if self.auto_k is not None:
-            self.auto_k.end_round()
+            self.auto_k.end_round(k, time.perf_counter() - t0)
         return out
 
     def committed(self, seq: Sequence) -> None:
@@ -128,6 +137,15 @@ class SpeculativeStep:
         health = getattr(self.proposer, "health", None)
         return health() if health is not None else StepHealth()
 
+    def _share_features(self, seqs: list[Sequence], positions: list[int], rows: list[tuple[int, int]]) -> None:
+        """Hand the proposer the target's features of the kept positions: ``rows[i]`` = (first flat
+        row of the last pass, count) for ``seqs[i]``, whose first kept position is ``positions[i]``."""
+        features = self.target.features
+        if not self.proposer.feature_layers or features is None:
+            return
+        for seq, position, (first, count) in zip(seqs, positions, rows, strict=True):
+            self.proposer.observe_features(seq, position, features[first : first + count])
+
     def _budget(self, seq: Sequence, k: int) -> int:
         """Proposals worth verifying: never past max_tokens or the context length."""
         left = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq))
@@ -142,10 +160,7 @@ class SpeculativeStep:
         return self.target.forward(seqs, starts, feeds, rows)
 
     def _verify(self, seqs: list[Sequence], proposal: Proposal, logits: torch.Tensor):
-        spans, offset = [], 0  # (first logits row, rows) of each sequence
-        for props in proposal.tokens:
-            spans.append((offset, len(props) + 1))
-            offset += len(props) + 1
+        spans = _spans([len(props) + 1 for props in proposal.tokens])  # (first logits row, rows) per sequence
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
         target_probs = {}
         if sampled:
@@ -165,3 +180,12 @@ class SpeculativeStep:
             proposed = torch.tensor(props, dtype=torch.long, device=logits.device)
             results.append(verify_sampled(target_probs[i], proposed, q, seq.generator))
         return results, spans
+
+
+def _spans(counts: list[int]) -> list[tuple[int, int]]:
+    """(first flat row, rows) of consecutive runs of ``counts`` rows."""
+    spans, offset = [], 0
+    for n in counts:
+        spans.append((offset, n))
+        offset += n
+    return spans

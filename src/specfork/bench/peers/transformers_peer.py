@@ -35,7 +35,7 @@ def run_transformers(kind: str, dataset: str, prompts: list[list[int]], s: Bench
     if kind == "prompt-lookup":
         kwargs["prompt_lookup_num_tokens"] = 10
     elif kind == "assisted":
-        kwargs["assistant_model"] = _load(resolve_draft(s.draft, resolve_checkpoint(s.model)))
+        kwargs["assistant_model"] = _load(resolve_draft(s.draft, resolve_checkpoint(s.model), heads=False))
 
     def generate(ids: list[int], n: int) -> list[int]:
         extra = {} if n == s.output_len else {"max_new_tokens": n, "min_new_tokens": n}

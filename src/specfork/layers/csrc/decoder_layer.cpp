@@ -1,5 +1,5 @@
 // One Llama decoder layer of a decode or verification step, in one call from Python:
-//   h = x + o_proj(attention(rope(q), rope(k), v))   with q, k, v = qkv_proj(rms_norm(x))
+//   h = x + o_proj(attention(rope(q), rope(k), v))   with q, k, v = qkv_proj(rms_norm(x)) (or of attn_in)
 //   y = h + down_proj(silu(gate) * up)               with gate, up = gate_up_proj(rms_norm(h))
 // A decode step of a small model is dominated by per-op overhead when driven from Python (about 25
 // tensor ops and 8 module calls per layer, ~160 us per layer measured here against ~200 us of actual
@@ -25,7 +25,8 @@ torch::Tensor project(int i, const torch::Tensor& x, const std::vector<torch::Te
 
 }  // namespace
 
-torch::Tensor decoder_layer_decode(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
+torch::Tensor decoder_layer_decode(const torch::Tensor& x, const torch::Tensor& attn_in,
+                                   const std::vector<torch::Tensor>& weights,
                                    const std::vector<int64_t>& formats, const torch::Tensor& cos_in,
                                    const torch::Tensor& sin_in, const torch::Tensor& cache,
                                    const torch::Tensor& block_tables, const torch::Tensor& seq_of,
@@ -40,7 +41,12 @@ torch::Tensor decoder_layer_decode(const torch::Tensor& x, const std::vector<tor
   TORCH_CHECK(cos.numel() == T * D && sin.numel() == T * D && slots.numel() == T, "rope tables / slots: one per token");
 
   // attention block
-  auto qkv = project(0, rms_norm(x, weights[0], eps), weights, formats);  // [T, (Hq + 2 Hkv) * D]
+  if (attn_in.numel()) {
+    TORCH_CHECK(attn_in.dim() == 2 && attn_in.size(0) == T && attn_in.scalar_type() == torch::kFloat32,
+                "attn_in must be [T, K] float32");
+  }
+  const auto attn_input = attn_in.numel() ? attn_in.contiguous() : rms_norm(x, weights[0], eps);
+  auto qkv = project(0, attn_input, weights, formats);  // [T, (Hq + 2 Hkv) * D]
   TORCH_CHECK(qkv.size(1) == (Hq + 2 * Hkv) * D, "qkv projection has ", qkv.size(1), " outputs");
   float* qp = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();

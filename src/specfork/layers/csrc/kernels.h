@@ -27,7 +27,11 @@ torch::Tensor paged_attention_decode(const torch::Tensor& q, const torch::Tensor
                                      const torch::Tensor& pos_of, double scale);
 
 // decoder_layer.cpp: one Llama decoder layer of a decode or verification step, in one call.
-torch::Tensor decoder_layer_decode(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
+// attn_in: an empty tensor for a Llama layer (attention reads rms_norm(x)), or the attention's input
+// itself for a layer whose attention reads something else than its residual (EAGLE-3's head: the
+// normed token embedding and the normed feature side by side, 2 H wide).
+torch::Tensor decoder_layer_decode(const torch::Tensor& x, const torch::Tensor& attn_in,
+                                   const std::vector<torch::Tensor>& weights,
                                    const std::vector<int64_t>& formats, const torch::Tensor& cos,
                                    const torch::Tensor& sin_signed, const torch::Tensor& cache,
                                    const torch::Tensor& block_tables, const torch::Tensor& seq_of,

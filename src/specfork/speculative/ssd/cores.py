@@ -33,6 +33,19 @@ def split_cores(config: Config) -> tuple[tuple[int, ...] | None, tuple[int, ...]
     return target, drafter
 
 
+def core_sharing_warning(target: tuple[int, ...] | None, available: int) -> str | None:
+    """What to tell a user whose CPU target gives cores up to the drafter process (SSD on a small
+    machine): the target then decodes on fewer cores than SD or AR would give it, which can cost
+    more than the drafting SSD hides. None when the target keeps at least 4 cores."""
+    if target is None or len(target) >= 4:
+        return None
+    return (f"SSD on this {available}-core machine: the drafter process takes {available - len(target)} of the "
+            f"{available} cores, so the target verifies on {len(target)} (SD and AR use all {available}); with "
+            "a target whose decode step is limited by compute, SSD can be slower than SD here. It pays where the "
+            "drafter has its own cores or GPU (specfork bench reports SSD's cache hit rate and how much of its "
+            "drafting is hidden behind verification)")
+
+
 def pin_process(cores: tuple[int, ...], threads: int) -> None:
     """Run this process on ``cores`` with ``threads`` torch threads."""
     os.sched_setaffinity(0, cores)

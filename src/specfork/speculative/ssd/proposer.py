@@ -25,7 +25,7 @@ import torch
 
 from specfork.engine.sequence import Sequence
 from specfork.engine.step import StepHealth
-from specfork.speculative.proposer import NoProposals, Proposal, Proposer
+from specfork.speculative.proposer import NoProposals, Proposal, Proposer, ReadsNoFeatures
 from specfork.speculative.ssd.deadline import DrafterDeadline
 from specfork.speculative.ssd.messages import DrafterLaunch, SpecRequest
 from specfork.speculative.ssd.transport import DrafterError, DrafterProcess
@@ -75,7 +75,7 @@ class SSDStats:
         }
 
 
-class SSDProposer:
+class SSDProposer(ReadsNoFeatures):
     def __init__(
         self,
         launch: DrafterLaunch,

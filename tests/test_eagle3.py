@@ -1,0 +1,190 @@
+"""EAGLE-3 heads: the ecosystem's checkpoint layout loads and computes the head's formula; SD
+with a head (reduced draft vocabulary, adaptive chain) equals AR greedily and is lossless when
+sampling, including tokens the head cannot propose."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from eagle3_heads import plain_head, plain_head_logits, write_tiny_head
+from lossless import NUM_TOKENS, PROMPT, SETTINGS, VOCAB, check, exact_joint, marginal, tiny_model
+from safetensors.torch import load_file, save_file
+
+from specfork import LLM, SamplingParams
+from specfork.engine.block_manager import BlockManager
+from specfork.engine.model_runner import ModelRunner
+from specfork.errors import SpecforkError
+from specfork.loading.eagle3 import load_eagle3_head, read_eagle3_config
+from specfork.speculative.draft_runner import DraftState
+
+DRAFT_IDS = [0, 2, 3, 5]  # of the lossless target's 8 tokens: 1, 4, 6 and 7 are outside the head's vocabulary
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tiny_checkpoints):
+    return tiny_checkpoints["llama-gqa-tied"].path
+
+
+def _head_logits_paged(head, features, next_ids, split):
+    """The head over a sequence through its paged KV cache: a prefill of the first ``split``
+    positions, then one decode step per position."""
+    runner = ModelRunner(head, num_blocks=8, block_size=4, device=torch.device("cpu"))
+    blocks, state = BlockManager(8, 4), DraftState()
+    blocks.grow(state, len(next_ids))
+    outs = []
+    for start, stop, decode in [(0, split, False)] + [(p, p + 1, True) for p in range(split, len(next_ids))]:
+        ids, pos, meta = runner.prepare([state], [start], [next_ids[start:stop]], decode=decode)
+        with torch.inference_mode():
+            outs.append(head.compute_logits(head(ids, pos, head.project(features[start:stop]), runner.kv_caches, meta)))
+    return torch.cat(outs)
+
+
+def test_head_in_the_ecosystem_layout_computes_the_eagle3_formula(tiny_target, tmp_path):
+    draft_ids = list(range(3, 256, 4))  # 64 of 256 tokens
+    tensors = write_tiny_head(tmp_path / "head", tiny_target, draft_ids=draft_ids, seed=5)
+    config = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 64
+    stored = load_file(tmp_path / "head" / "model.safetensors")
+    assert torch.equal(stored["d2t"] + torch.arange(64), torch.tensor(draft_ids))
+    assert stored["t2d"].dtype == torch.bool and stored["t2d"].sum() == 64 and stored["t2d"][draft_ids].all()
+
+    target = LLM(str(tiny_target)).engine.loaded
+    head = load_eagle3_head(tmp_path / "head", target, device=torch.device("cpu"))
+    assert head.draft_to_target.tolist() == draft_ids
+    assert read_eagle3_config(tmp_path / "head").layers_for(3) == (2, 1, 0)
+    gen = torch.Generator().manual_seed(0)
+    features = torch.randn(11, 3 * 64, generator=gen)
+    next_ids = torch.randint(0, 256, (11,), generator=gen).tolist()
+    expected = plain_head_logits(tensors, target.model.embed_tokens.weight, config_arch(tmp_path / "head"), features,
+                                 torch.tensor(next_ids), torch.arange(11))
+    torch.testing.assert_close(_head_logits_paged(head, features, next_ids, split=8), expected, atol=2e-5, rtol=2e-5)
+
+    # vLLM-style names (layers.0.* for the decoder layer) load to the same head.
+    renamed = {k.replace("midlayer.", "layers.0."): v for k, v in stored.items()}
+    save_file(renamed, tmp_path / "head" / "model.safetensors")
+    again = load_eagle3_head(tmp_path / "head", target, device=torch.device("cpu"))
+    torch.testing.assert_close(_head_logits_paged(again, features, next_ids, split=3), expected, atol=2e-5, rtol=2e-5)
+
+
+def test_the_proposer_drafts_from_the_targets_features(tiny_target, tmp_path):
+    """Each round's chain is the head's formula over the target's real features of the verified
+    positions, then over its own outputs (checked against transformers' hidden states)."""
+    from transformers import AutoModelForCausalLM
+
+    draft_ids = list(range(0, 256, 2))
+    tensors = write_tiny_head(tmp_path / "head", tiny_target, draft_ids=draft_ids, seed=9, scale=4.0)
+    llm = LLM(str(tiny_target), mode="sd", draft=str(tmp_path / "head"), k=3, weights="fp32")  # the head unquantised
+    proposer = llm.engine.step_strategy.proposer
+    rounds = []
+    propose = proposer.propose
+
+    def recording(seqs, num_tokens):
+        proposal = propose(seqs, num_tokens)
+        rounds.extend((list(s.token_ids), t) for s, t in zip(seqs, proposal.tokens, strict=True))
+        return proposal
+
+    proposer.propose = recording
+    llm.generate([[1, 5, 9, 33, 7]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    hf = AutoModelForCausalLM.from_pretrained(tiny_target, torch_dtype=torch.float32).eval()
+    arch, embed = config_arch(tmp_path / "head"), hf.model.embed_tokens.weight.detach()
+    to_draft = {t: i for i, t in enumerate(draft_ids)}
+    assert len(rounds) >= 3
+    for context, chain in rounds:
+        with torch.no_grad():
+            states = hf(torch.tensor([context]), output_hidden_states=True).hidden_states
+        features = torch.cat([states[i][0] for i in (2, 1, 0)], dim=-1)[:-1]  # positions 0..L-2
+        hidden = features @ tensors["fc.weight"].T
+        ids = list(context[1:])
+        for token in chain:
+            logits, out = plain_head(tensors, embed, arch, hidden, torch.tensor(ids), torch.arange(len(ids)))
+            best = logits[-1].topk(2).values
+            if best[0] - best[1] > 1e-3:  # not a near-tie
+                assert to_draft[token] == int(logits[-1].argmax()), (context, chain)
+            hidden = torch.cat([hidden, out[-1:]])
+            ids.append(token)
+
+
+def test_the_int4_head_runs_the_fused_layer_bit_for_bit_like_its_modules(tiny_target, tmp_path):
+    from specfork.layers.cpu_kernels import kernels
+
+    if kernels() is None:
+        pytest.skip("native kernels not built")
+    write_tiny_head(tmp_path / "head", tiny_target, draft_ids=list(range(0, 256, 4)), seed=2)
+    target = LLM(str(tiny_target)).engine.loaded
+    head = load_eagle3_head(tmp_path / "head", target, device=torch.device("cpu"), quantize_group=32)
+    assert head.fused_decode is not None
+    gen = torch.Generator().manual_seed(1)
+    features = torch.randn(9, 3 * 64, generator=gen)
+    next_ids = torch.randint(0, 256, (9,), generator=gen).tolist()
+    fused = _head_logits_paged(head, features, next_ids, split=4)
+    head.fused_decode = None
+    assert torch.equal(_head_logits_paged(head, features, next_ids, split=4), fused)
+
+
+def config_arch(path):
+    return read_eagle3_config(path).arch
+
+
+def test_a_head_for_another_target_is_refused(tiny_target, tiny_checkpoints, tmp_path):
+    other = tiny_checkpoints["qwen3-qknorm-tied"].path  # hidden 64 but 2 layers: layers 2 and -1 do not exist
+    write_tiny_head(tmp_path / "head", tiny_target, draft_ids=list(range(64)))
+    with pytest.raises(SpecforkError, match="target layers"):
+        LLM(str(other), mode="sd", draft=str(tmp_path / "head"))
+    from specfork.layers.cpu_kernels import kernels
+    from specfork.layers.quantized import QuantizedLinear
+
+    head = LLM(str(tiny_target), mode="sd", draft=str(tmp_path / "head")).engine.step_strategy.proposer.head
+    if kernels() is not None:  # native weights: the head's projections run the int4 kernel
+        assert isinstance(head.mlp.down_proj, QuantizedLinear) and isinstance(head.lm_head, QuantizedLinear)
+    head = LLM(str(tiny_target), mode="sd", draft=str(tmp_path / "head"), weights="fp32").engine.step_strategy.proposer.head
+    assert not isinstance(head.mlp.down_proj, QuantizedLinear)
+    with pytest.raises(SpecforkError, match="SSD with an EAGLE-3 head"):
+        LLM(str(tiny_target), mode="ssd", draft=str(tmp_path / "head"))
+
+
+@pytest.fixture(scope="module")
+def lossless_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle3_lossless")
+    hf_target = tiny_model(root / "target", seed=11)
+    # A sharp head, so that chains are accepted often enough to reach later rounds with several tokens.
+    write_tiny_head(root / "head", root / "target", draft_ids=DRAFT_IDS, feature_layers=(0, 1, 1), seed=3, scale=3.0)
+    return {"target": str(root / "target"), "head": str(root / "head"), "hf_target": hf_target}
+
+
+@pytest.mark.parametrize("k, confidence", [(1, 0.0), (3, 0.0), (5, 0.0), (5, 0.3)])
+def test_greedy_sd_with_a_head_equals_ar(lossless_models, k, confidence):
+    prompts = [PROMPT, [2, 4], [6, 1, 1, 0, 3], [5]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(lossless_models["target"], deterministic=True).generate(prompts, params)]
+    llm = LLM(lossless_models["target"], mode="sd", draft=lossless_models["head"], k=k, draft_confidence=confidence,
+              deterministic=True)
+    for batch in ([prompts[0]], prompts):  # batch 1 and 4
+        outs = llm.generate(batch, params)
+        assert [o.token_ids for o in outs] == expected[: len(batch)]
+    accepted = sum(o.metrics["draft_tokens_accepted"] for o in outs)
+    proposed = sum(o.metrics["draft_tokens_proposed"] for o in outs)
+    assert 0 < accepted < proposed  # the head's proposals were used, and some were wrong
+    if confidence:
+        assert proposed < k * sum(o.metrics["spec_rounds"] for o in outs)  # chains ended early
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_sd_with_a_reduced_vocabulary_head_is_lossless(lossless_models, setting):
+    params_kw = SETTINGS[setting]
+    joint = exact_joint(lossless_models["hf_target"], SamplingParams(**params_kw), NUM_TOKENS)
+    outside = sum(p for tokens, p in marginal(joint, (0,)).items() if tokens[0] not in DRAFT_IDS)
+    assert outside > 0.1  # the target really produces tokens the head cannot propose
+    n = 12000
+    llm = LLM(lossless_models["target"], mode="sd", draft=lossless_models["head"], k=3, max_num_seqs=512,
+              kv_cache_tokens=512 * 16)
+    outs = llm.generate([PROMPT] * n, [SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, seed=i, **params_kw)
+                                       for i in range(n)])
+    accepted = sum(o.metrics["draft_tokens_accepted"] for o in outs)
+    proposed = sum(o.metrics["draft_tokens_proposed"] for o in outs)
+    assert 0 < accepted < proposed
+    assert sum(o.metrics["spec_rounds"] for o in outs) >= 2 * n  # later tokens come from later rounds
+    for name, (stat, dof, limit) in check([tuple(o.token_ids) for o in outs], joint).items():
+        assert stat < limit, f"{setting} {name}: chi2 {stat:.1f} >= {limit:.1f} (dof {dof})"
+    assert VOCAB == 8
