@@ -102,6 +102,19 @@ def test_rerun_keeps_feature_shards_and_the_finished_checkpoint(trained, example
     assert again["last_loss"] == result["last_loss"]  # the history came back from the checkpoint
 
 
+def test_the_trained_head_drafts_in_sd_and_greedy_output_equals_ar(trained, examples, target):
+    """The saved head is an SD draft (``--draft``): greedy SD reproduces AR, and on a prompt it
+    was trained on it gets drafts accepted."""
+    job, _ = trained
+    prompt = examples[0].prompt_ids
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ar = LLM(str(target), deterministic=True).generate([prompt], params)[0].token_ids
+    sd = LLM(str(target), mode="sd", draft=str(job.output), k=3, deterministic=True,
+             weights="fp32").generate([prompt], params)[0]
+    assert sd.token_ids == ar == examples[0].response_ids
+    assert sd.metrics["spec_rounds"] > 0 and sd.metrics["draft_tokens_accepted"] > 0, sd.metrics
+
+
 def test_interrupted_training_resumes_to_the_same_weights(trained, examples, target, tmp_path):
     job, _ = trained
     loaded = LLM(str(target)).engine.loaded
