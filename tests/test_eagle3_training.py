@@ -17,7 +17,7 @@ from builders import build_tiny_checkpoint
 
 from specfork import LLM, SamplingParams
 from specfork.loading.eagle3 import draft_to_target, load_eagle3_tensors, read_eagle3_config
-from specfork.training import eagle3_pipeline
+from specfork.training import pipeline
 from specfork.training.data import Example
 from specfork.training.eagle3_features import FeatureStore, choose_draft_vocab
 from specfork.training.eagle3_head import Eagle3TrainHead, build_head, head_config, ttt_loss
@@ -61,7 +61,7 @@ def _train(job, examples) -> dict:
     """The whole pipeline, the target's responses being ``examples`` (the tiny target has no
     tokenizer for ShareGPT prompts)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(eagle3_pipeline, "generate_data", lambda job, llm: examples)
+        patch.setattr(pipeline, "generate_data", lambda job, llm: examples)
         return train_draft(job, command="test")
 
 

@@ -28,7 +28,7 @@ from specfork.training.eagle3_features import (
 )
 from specfork.training.eagle3_head import Eagle3TrainHead, build_head, head_config
 from specfork.training.eagle3_trainer import Eagle3Trainer
-from specfork.training.pipeline import acceptance_check, generate_data, save_draft_provenance, target_llm
+from specfork.training.pipeline import acceptance_check, save_draft_provenance, target_responses
 from specfork.training.settings import TrainDraftJob
 from specfork.training.trainer import is_eval_example, publish_directory
 
@@ -37,13 +37,7 @@ logger = logging.getLogger(__name__)
 
 def train_eagle3(job: TrainDraftJob, command: str = "") -> dict:
     """Run the whole job; returns the provenance written next to the head."""
-    if job.threads:
-        torch.set_num_threads(job.threads)
-    started = time.time()
-    llm = target_llm(job)
-    t0 = time.time()
-    examples = generate_data(job, llm)
-    data_seconds = time.time() - t0
+    llm, examples, started, data_seconds = target_responses(job)
     target = llm.engine.loaded
     layers = default_feature_layers(target.arch.num_layers)
     e = job.eagle3

@@ -31,6 +31,7 @@ from specfork.training.trainer import (
     make_batches,
     optimizer_step,
     read_checkpoint,
+    record_step,
     set_learning_rate,
     write_checkpoint,
 )
@@ -184,9 +185,7 @@ class Eagle3Trainer:
                 "lr": lr,
                 "seconds": time.perf_counter() - started,
             }
-            self.history.append(record)
-            bar.update(1)
-            bar.set_postfix(loss=f"{record['loss']:.3f}", top1=f"{record['top1']:.2f}", lr=f"{lr:.1e}")
+            record_step(self.history, bar, record)
             if self.step % s.checkpoint_every == 0 or self.step == stop:
                 self._checkpoint()
         bar.close()

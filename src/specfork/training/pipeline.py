@@ -45,6 +45,18 @@ def generate_data(job: TrainDraftJob, llm) -> list:
     )
 
 
+def target_responses(job: TrainDraftJob):
+    """Set the threads, load the target and generate (or resume) its responses: (the target's
+    LLM, the examples, the job's start time, the seconds data generation took)."""
+    if job.threads:
+        torch.set_num_threads(job.threads)
+    started = time.time()
+    llm = target_llm(job)
+    t0 = time.time()
+    examples = generate_data(job, llm)
+    return llm, examples, started, time.time() - t0
+
+
 def target_llm(job: TrainDraftJob):
     from specfork import LLM
 
@@ -88,13 +100,7 @@ def train_draft(job: TrainDraftJob, command: str = "") -> dict:
         from specfork.training.eagle3_pipeline import train_eagle3
 
         return train_eagle3(job, command)
-    if job.threads:
-        torch.set_num_threads(job.threads)
-    started = time.time()
-    llm = target_llm(job)
-    t0 = time.time()
-    examples = generate_data(job, llm)
-    data_seconds = time.time() - t0
+    llm, examples, started, data_seconds = target_responses(job)
     tokenizer = llm.tokenizer
     target = llm.engine.loaded
     pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0

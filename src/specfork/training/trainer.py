@@ -284,13 +284,18 @@ class DraftTrainer:
                 "lr": lr,
                 "seconds": time.perf_counter() - started,
             }
-            self.history.append(record)
-            bar.update(1)
-            bar.set_postfix(loss=f"{record['loss']:.3f}", top1=f"{record['top1']:.2f}", lr=f"{lr:.1e}")
+            record_step(self.history, bar, record)
             if self.step % s.checkpoint_every == 0 or self.step == stop:
                 self.save_checkpoint()
         bar.close()
         return self.history
+
+
+def record_step(history: list[dict], bar, record: dict) -> None:
+    """Keep one optimizer step's record and show it on the progress bar."""
+    history.append(record)
+    bar.update(1)
+    bar.set_postfix(loss=f"{record['loss']:.3f}", top1=f"{record['top1']:.2f}", lr=f"{record['lr']:.1e}")
 
 
 def save_draft(model, tokenizer, output: Path, provenance: dict) -> None:
