@@ -53,9 +53,13 @@ def test_loading_parses_each_gguf_once(monkeypatch, embedded):
     assert parsed == [str(embedded)]
     assert llm.tokenizer is not None and llm.engine.encode_chat([{"role": "user", "content": "Hi"}])
     parsed.clear()
-    with LLM(mode="sd", k=2) as sd:
+    with LLM(mode="sd", k=2, draft="smollm2-135m-draft") as sd:
         assert sd.generate(["Hi"])[0].token_ids
     assert sorted(parsed) == sorted(set(parsed)) and len(parsed) == 2  # the target and the draft, once each
+    parsed.clear()
+    with LLM(mode="sd", k=2) as sd:  # the default draft, an EAGLE-3 head (safetensors), reads no GGUF
+        assert sd.generate(["Hi"])[0].token_ids
+    assert parsed == [str(embedded)]
 
 
 def test_embedded_model_loads_without_transformers_and_help_without_torch():
