@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from specfork.errors import SpecforkError
-from specfork.training.data import Example, check_manifest
+from specfork.training.data import Example, check_manifest, shard_path
 from specfork.training.settings import DRAFT_VOCAB_SIZES
 
 logger = logging.getLogger(__name__)
@@ -71,10 +71,6 @@ def training_sequence(example: Example, max_seq_len: int) -> tuple[list[int], in
     response = example.response_ids[: max_seq_len - 1]
     prompt = example.prompt_ids[-(max_seq_len - len(response)):]
     return prompt + response, len(prompt)
-
-
-def shard_path(directory: Path, index: int) -> Path:
-    return directory / f"shard_{index:05d}.pt"
 
 
 class FeatureStore:
