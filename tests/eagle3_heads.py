@@ -87,3 +87,17 @@ def plain_head(tensors, embed, arch: ModelArchConfig, h, next_ids, positions):
     gate, up = x @ tensors["midlayer.mlp.gate_proj.weight"].T, x @ tensors["midlayer.mlp.up_proj.weight"].T
     h = h + (torch.nn.functional.silu(gate) * up) @ tensors["midlayer.mlp.down_proj.weight"].T
     return _rms(h, tensors["norm.weight"], eps) @ tensors["lm_head.weight"].T, h
+
+
+HEAD_DRAFT_IDS = [0, 2, 3, 5]  # of the lossless target's 8 tokens: 1, 4, 6 and 7 are outside the head's vocabulary
+
+
+def head_models(root: Path) -> dict:
+    """The lossless tests' target and, as draft, a tiny head over a reduced vocabulary: sharp
+    enough that chains are accepted often enough to reach later rounds with several tokens."""
+    from lossless import tiny_model
+
+    hf_target = tiny_model(root / "target", seed=11)
+    write_tiny_head(root / "head", root / "target", draft_ids=HEAD_DRAFT_IDS, feature_layers=(0, 1, 1), seed=3,
+                    scale=3.0)
+    return {"target": str(root / "target"), "draft": str(root / "head"), "hf_target": hf_target}

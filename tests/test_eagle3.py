@@ -8,8 +8,9 @@ import json
 
 import pytest
 import torch
-from eagle3_heads import plain_head, plain_head_logits, write_tiny_head
-from lossless import NUM_TOKENS, PROMPT, SETTINGS, VOCAB, check, exact_joint, marginal, tiny_model
+from eagle3_heads import HEAD_DRAFT_IDS as DRAFT_IDS
+from eagle3_heads import head_models, plain_head, plain_head_logits, write_tiny_head
+from lossless import NUM_TOKENS, PROMPT, SETTINGS, VOCAB, check, exact_joint, marginal
 from safetensors.torch import load_file, save_file
 
 from specfork import LLM, SamplingParams
@@ -18,8 +19,6 @@ from specfork.engine.model_runner import ModelRunner
 from specfork.errors import SpecforkError
 from specfork.loading.eagle3 import load_eagle3_head, read_eagle3_config
 from specfork.speculative.draft_runner import DraftState
-
-DRAFT_IDS = [0, 2, 3, 5]  # of the lossless target's 8 tokens: 1, 4, 6 and 7 are outside the head's vocabulary
 
 
 @pytest.fixture(scope="module")
@@ -140,17 +139,11 @@ def test_a_head_for_another_target_is_refused(tiny_target, tiny_checkpoints, tmp
         assert isinstance(head.mlp.down_proj, QuantizedLinear) and isinstance(head.lm_head, QuantizedLinear)
     head = LLM(str(tiny_target), mode="sd", draft=str(tmp_path / "head"), weights="fp32").engine.step_strategy.proposer.head
     assert not isinstance(head.mlp.down_proj, QuantizedLinear)
-    with pytest.raises(SpecforkError, match="SSD with an EAGLE-3 head"):
-        LLM(str(tiny_target), mode="ssd", draft=str(tmp_path / "head"))
 
 
 @pytest.fixture(scope="module")
 def lossless_models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("eagle3_lossless")
-    hf_target = tiny_model(root / "target", seed=11)
-    # A sharp head, so that chains are accepted often enough to reach later rounds with several tokens.
-    write_tiny_head(root / "head", root / "target", draft_ids=DRAFT_IDS, feature_layers=(0, 1, 1), seed=3, scale=3.0)
-    return {"target": str(root / "target"), "head": str(root / "head"), "hf_target": hf_target}
+    return head_models(tmp_path_factory.mktemp("eagle3_lossless"))
 
 
 @pytest.mark.parametrize("k, confidence", [(1, 0.0), (3, 0.0), (5, 0.0), (5, 0.3)])
@@ -158,7 +151,7 @@ def test_greedy_sd_with_a_head_equals_ar(lossless_models, k, confidence):
     prompts = [PROMPT, [2, 4], [6, 1, 1, 0, 3], [5]]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     expected = [o.token_ids for o in LLM(lossless_models["target"], deterministic=True).generate(prompts, params)]
-    llm = LLM(lossless_models["target"], mode="sd", draft=lossless_models["head"], k=k, draft_confidence=confidence,
+    llm = LLM(lossless_models["target"], mode="sd", draft=lossless_models["draft"], k=k, draft_confidence=confidence,
               deterministic=True)
     for batch in ([prompts[0]], prompts):  # batch 1 and 4
         outs = llm.generate(batch, params)
@@ -177,7 +170,7 @@ def test_sd_with_a_reduced_vocabulary_head_is_lossless(lossless_models, setting)
     outside = sum(p for tokens, p in marginal(joint, (0,)).items() if tokens[0] not in DRAFT_IDS)
     assert outside > 0.1  # the target really produces tokens the head cannot propose
     n = 12000
-    llm = LLM(lossless_models["target"], mode="sd", draft=lossless_models["head"], k=3, max_num_seqs=512,
+    llm = LLM(lossless_models["target"], mode="sd", draft=lossless_models["draft"], k=3, max_num_seqs=512,
               kv_cache_tokens=512 * 16)
     outs = llm.generate([PROMPT] * n, [SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, seed=i, **params_kw)
                                        for i in range(n)])

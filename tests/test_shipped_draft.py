@@ -60,15 +60,19 @@ def test_sd_with_the_shipped_draft_reproduces_ar_exactly(ar_reference):
 
 
 @pytest.mark.dist
-def test_ssd_with_the_shipped_draft_reproduces_ar_exactly(ar_reference):
+@pytest.mark.parametrize("draft", ["smollm2-135m-draft", None])  # None: the default, the shipped head
+def test_ssd_with_the_shipped_drafts_reproduces_ar_exactly(ar_reference, draft):
+    from specfork.outputs import aggregate_metrics
+
     ids, expected = ar_reference
-    with LLM(mode="ssd", k=5, deterministic=True) as ssd:  # no draft given: SSD's default is the draft model
+    with LLM(mode="ssd", k=5, draft=draft, deterministic=True) as ssd:
+        assert ssd.engine.step_strategy.proposer.feature_layers == (() if draft else (2, 15, 27))
         outputs = ssd.generate(ids, PARAMS)
         assert ssd.engine.step_strategy.proposer.failure is None
     assert [o.token_ids for o in outputs] == expected
-    from specfork.outputs import aggregate_metrics
-
-    assert aggregate_metrics(outputs)["ssd_cache_hit_rate"] > 0.2
+    metrics = aggregate_metrics(outputs)
+    assert metrics["ssd_cache_hit_rate"] > 0.1
+    assert metrics["mean_accepted_length"] > 1.15  # the drafts are the trained draft's, not noise
 
 
 def test_default_draft_for_another_target_is_a_clear_error(tiny_checkpoints):
@@ -79,7 +83,7 @@ def test_default_draft_for_another_target_is_a_clear_error(tiny_checkpoints):
 HEAD = "smollm2-135m-eagle3"
 
 
-def test_the_shipped_eagle3_head_is_the_sd_default_small_and_in_the_ecosystem_layout(target_location):
+def test_the_shipped_eagle3_head_is_the_default_small_and_in_the_ecosystem_layout(target_location):
     import json
 
     from specfork.loading.eagle3 import read_eagle3_config

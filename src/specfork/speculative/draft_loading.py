@@ -21,16 +21,17 @@ class DraftSpec:
     dtype: str  # torch dtype name, the target's
     max_positions: int  # the target's RoPE table length
     load_options: dict
+    target: str  # the target's checkpoint (an EAGLE-3 head shares its embedding)
 
 
 def draft_spec(config: Config, target: LoadedModel) -> DraftSpec:
-    """The draft for ``target`` as configured (``config.draft``, or the shipped default: for SSD,
-    which does not run EAGLE-3 heads yet, the first shipped draft model)."""
+    """The draft for ``target`` as configured (``config.draft``, or the first shipped draft)."""
     return DraftSpec(
-        path=resolve_draft(config.draft, target.location, heads=config.mode != "ssd"),
+        path=resolve_draft(config.draft, target.location),
         dtype=str(target.model.embed_tokens.weight.dtype).removeprefix("torch."),
         max_positions=target.model.rotary.cos.shape[0],
         load_options=config.load_options,
+        target=str(target.location.path),
     )
 
 
@@ -42,6 +43,16 @@ def load_draft(spec: DraftSpec, device: torch.device, target: LoadedModel | None
     if target is not None:
         check_vocabularies(target, draft)
     return draft
+
+
+def load_drafter(spec: DraftSpec, device: torch.device):
+    """What SSD's drafter process drafts with: the draft model, or the EAGLE-3 head (with the
+    target's embedding: the target is read for it, and everything else of it dropped)."""
+    if not is_head(spec):
+        return load_draft(spec, device).model
+    target = load_model(spec.target, device=device, dtype=getattr(torch, spec.dtype), max_positions=spec.max_positions,
+                        with_tokenizer=False, **spec.load_options)
+    return load_head(spec, device, target)
 
 
 def is_head(spec: DraftSpec) -> bool:

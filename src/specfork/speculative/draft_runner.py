@@ -38,6 +38,9 @@ class Drafted:
 
 
 class DraftRunner:
+    reads_features = False
+    row_offset = 0  # a token at position p is fed at position p
+
     def __init__(self, model, *, vocab_size: int, num_blocks: int, block_size: int, device: torch.device) -> None:
         """``vocab_size``: the target's vocabulary (draft rows beyond it are never proposed)."""
         self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size, device=device)
@@ -80,6 +83,32 @@ class DraftRunner:
                     probs[i].append(q)
             active = [i for i in active if len(tokens[i]) < num_tokens[i]]
         return [Drafted(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs, strict=True)]
+
+    def glue(self, states: list[DraftState], contexts: list[list[int]], specs: list[list[int]]):
+        """SSD's glue: for each state, the draft's distributions L_0..L_m after ``context``,
+        ``context + spec[:1]``, .., ``context + spec`` (m = len(spec)) from one causal forward that
+        writes the context's last token and the spec into the cache: (logits [m + 1, V] per
+        state, None: the model carries no hidden from row to row)."""
+        feeds, starts, counts, rows = [], [], [], []
+        offset = 0
+        for st, context, spec in zip(states, contexts, specs, strict=True):
+            st.keep(len(context) - 1)  # the last token onwards is recomputed: its logits are L_0
+            known = context + spec
+            self.blocks.grow(st, len(known))
+            feeds.append(known[st.num_cached_tokens :])
+            starts.append(st.num_cached_tokens)
+            counts.append(len(spec) + 1)
+            offset += len(feeds[-1])
+            rows.extend(range(offset - counts[-1], offset))
+        logits = self.runner.forward(states, starts, feeds, rows, decode=False)[:, : self.vocab_size]
+        for st, f in zip(states, feeds, strict=True):
+            st.num_cached_tokens += len(f)
+        return list(logits.split(counts)), None
+
+    def decode_step(self, tables: list, positions: list[int], tokens: list[int], hidden=None):
+        """One token per table, ``tokens[i]`` at ``positions[i]``: (logits [n, V], None)."""
+        logits = self.runner.forward(tables, positions, [[t] for t in tokens], list(range(len(tokens))), decode=True)
+        return logits[:, : self.vocab_size], None
 
     def release(self, state: DraftState) -> None:
         self.blocks.free(state)

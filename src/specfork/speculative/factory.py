@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 from specfork.engine.llm_engine import LLMEngine
 from specfork.errors import SpecforkError
+from specfork.loading.eagle3 import read_eagle3_config
 from specfork.speculative.draft_loading import (
     check_draft_vocabulary,
     draft_spec,
@@ -27,9 +29,7 @@ def build_speculative_step(engine: LLMEngine) -> SpeculativeStep:
     if config.drafter == "ngram":
         proposer = NgramProposer(min_n=config.ngram_min, max_n=config.ngram_max)
     else:
-        spec = draft_spec(config, engine.loaded)
-        proposer = _head_proposer(engine, spec) if is_head(spec) else _draft_proposer(
-            engine, load_draft(spec, engine.device, target=engine.loaded))
+        proposer = _proposer(engine, draft_spec(config, engine.loaded))
     auto_k = None
     if config.auto_k:
         from specfork.config import K_MAX
@@ -39,6 +39,13 @@ def build_speculative_step(engine: LLMEngine) -> SpeculativeStep:
         draft_s = 0.0 if config.drafter == "ngram" else proposer.draft_step_seconds()
         auto_k = AutoK(StepCosts(draft_s, verify))
     return SpeculativeStep(engine.runner, proposer, k=config.k_max, max_model_len=engine.max_model_len, auto_k=auto_k)
+
+
+def _proposer(engine: LLMEngine, spec) -> DraftModelProposer | Eagle3Proposer:
+    """The in-process proposer for the draft ``spec`` (SD's, and SSD's fallback)."""
+    if is_head(spec):
+        return _head_proposer(engine, spec)
+    return _draft_proposer(engine, load_draft(spec, engine.device, target=engine.loaded))
 
 
 def _draft_proposer(engine: LLMEngine, draft) -> DraftModelProposer:
@@ -69,10 +76,14 @@ def build_ssd_step(engine: LLMEngine, drafter=None) -> SpeculativeStep:
     if config.drafter != "draft":
         raise SpecforkError("SSD needs a draft model (drafter 'draft'); n-gram lookup has nothing to pre-draft")
     spec = draft_spec(config, engine.loaded)
+    head = None
     if is_head(spec):
-        raise SpecforkError("SSD with an EAGLE-3 head is not supported yet: use --mode sd with the head, or give "
-                            "SSD a draft model with --draft")
-    check_draft_vocabulary(spec, engine.loaded)
+        if config.tree_backend != "fast":
+            raise SpecforkError(f"--tree-backend {config.tree_backend} runs draft models only; an EAGLE-3 head "
+                                "pre-drafts with --tree-backend fast")
+        head = read_eagle3_config(Path(spec.path))
+    else:
+        check_draft_vocabulary(spec, engine.loaded)
     target_cores, drafter_cores = split_cores(config)
     if engine.device.type == "cpu":
         warning = core_sharing_warning(target_cores, len(os.sched_getaffinity(0)))
@@ -98,8 +109,9 @@ def build_ssd_step(engine: LLMEngine, drafter=None) -> SpeculativeStep:
         vocab_size=engine.loaded.arch.vocab_size,
         device=engine.device,
         timeout_s=config.drafter_timeout_s,
-        fallback=lambda: _draft_proposer(engine, load_draft(spec, engine.device, target=engine.loaded)),
+        fallback=lambda: _proposer(engine, spec),
         pin_target=TargetPinning(target_cores if engine.device.type == "cpu" else None, config.threads),
+        feature_layers=() if head is None else head.layers_for(engine.loaded.arch.num_layers),
     )
     return SpeculativeStep(engine.runner, proposer, k=config.k, max_model_len=engine.max_model_len)
 

@@ -15,6 +15,15 @@ caches; P is its position):
 3. **Fork** and 4. **tree decode** (``tree.py``): the top-F_j candidates of every L_j each
    decode k tokens; the results go into the cache under (sequence, j, candidate), so the cache
    holds exactly the entries for the next round.
+
+The drafter is a draft model or an EAGLE-3 head. A head reads the target's features: each
+request brings those of the positions the target kept since the last one (the prompt's, then
+the accepted positions of the verification just done: one round late for the pre-drafting
+that ran during that verification, which drafted on the head's own outputs). The glue first
+catches up on them, then runs ``x1..xk`` on the head's own outputs, one row each; every branch
+starts from the glue's output behind its L_j. A sequence whose features went missing (a
+restarted drafter sees none of the earlier ones) gets no drafts from the head: its rounds are
+served by the ``fast`` lookup or propose nothing.
 """
 
 from __future__ import annotations
@@ -25,9 +34,11 @@ from functools import partial
 
 import torch
 
+from specfork.models.eagle3 import Eagle3Head
 from specfork.sampling import Draw, sample
 from specfork.sampling_params import SamplingParams
 from specfork.speculative.draft_runner import DraftRunner, DraftState
+from specfork.speculative.head_runner import HeadRunner, HeadState
 from specfork.speculative.ngram import ngram_lookup
 from specfork.speculative.ssd.cache import CachedDraft, SpeculationCache
 from specfork.speculative.ssd.messages import DrafterSettings, SpecReply, SpecRequest
@@ -64,15 +75,38 @@ class TrunkState(DraftState):
         self.keep(min(old + agree, len(self.history) - 1))
 
 
+    def draftable(self) -> bool:
+        """Whether the drafter can draft for this sequence now (a draft model always can)."""
+        return True
+
+
+@dataclass
+class HeadTrunk(TrunkState, HeadState):
+    """A sequence's trunk in an EAGLE-3 head's cache: only its rows computed from the target's
+    features stay valid from round to round."""
+
+    def commit(self, new_tokens: list[int]) -> None:
+        self.history.extend(new_tokens)
+        self.keep(self.clean)
+
+    def draftable(self) -> bool:
+        return self.ready(len(self.history))
+
+
 class DrafterCore:
-    """Drafting state and compute; transport-agnostic (the worker process wraps it)."""
+    """Drafting state and compute; transport-agnostic (the worker process wraps it). ``model``:
+    a draft model, or an EAGLE-3 head (:class:`~specfork.models.eagle3.Eagle3Head`)."""
 
     def __init__(self, model, settings: DrafterSettings, device: torch.device, seed: int = 0) -> None:
         self.settings = settings
         self.device = device
         self.seed = seed
-        self.drafts = DraftRunner(model, vocab_size=settings.vocab_size or model.config.vocab_size,
-                                  num_blocks=settings.num_blocks, block_size=settings.block_size, device=device)
+        runner = HeadRunner if isinstance(model, Eagle3Head) else DraftRunner
+        if runner is HeadRunner and settings.tree_backend != "fast":
+            raise ValueError("an EAGLE-3 head pre-drafts with the 'fast' tree backend only")
+        self.drafts = runner(model, vocab_size=settings.vocab_size or model.config.vocab_size,
+                             num_blocks=settings.num_blocks, block_size=settings.block_size, device=device)
+        self._trunk = HeadTrunk if runner is HeadRunner else TrunkState
         self.states: dict[int, TrunkState] = {}
         self.cache = SpeculationCache()
         self.pending: list[int] = []  # sequences answered this round, to pre-draft for
@@ -95,6 +129,8 @@ class DrafterCore:
                 st = self._new_state(req)
             entry = self.cache.lookup(req, st.last_spec)
             st.commit(req.new_tokens)
+            if req.features is not None and self.drafts.reads_features:
+                st.observe(req.features_from, torch.from_numpy(req.features).to(self.device), req.seq_id)
             st.params = req.params
             st.hit = entry is not None
             self.stats["requests"] += 1
@@ -106,10 +142,14 @@ class DrafterCore:
             else:
                 missed.append(req)
         self.cache.clear()
-        if missed:
-            backup = self._jit(missed) if self.settings.backup == "jit" else self._fast(missed)
-            replies.update((r.seq_id, r) for r in backup)
-            self.stats[self.settings.backup] += len(missed)
+        # A head cannot draft for a sequence whose features went missing: the lookup serves it.
+        jit_ids = {r.seq_id for r in missed if self.settings.backup == "jit" and self.states[r.seq_id].draftable()}
+        jit = [r for r in missed if r.seq_id in jit_ids]
+        fast = [r for r in missed if r.seq_id not in jit_ids]
+        for kind, reqs in (("jit", jit), ("fast", fast)):
+            if reqs:
+                replies.update((r.seq_id, r) for r in (self._jit(reqs) if kind == "jit" else self._fast(reqs)))
+                self.stats[kind] += len(reqs)
         self.pending = [r.seq_id for r in requests]
         for reply in replies.values():
             self.states[reply.seq_id].last_spec = list(reply.tokens)
@@ -119,7 +159,7 @@ class DrafterCore:
     def _new_state(self, req: SpecRequest) -> TrunkState:
         gen = torch.Generator(device=self.device)
         gen.manual_seed(hash((self.seed, req.params.seed, req.seq_id)) & 0x7FFF_FFFF_FFFF_FFFF)
-        st = self.states[req.seq_id] = TrunkState(params=req.params, generator=gen)
+        st = self.states[req.seq_id] = self._trunk(params=req.params, generator=gen)
         return st
 
     def _fast(self, reqs: list[SpecRequest]) -> list[SpecReply]:
@@ -158,40 +198,26 @@ class DrafterCore:
             self.stats["prepare_s"] = time.perf_counter() - started
 
     def _prepare_next(self) -> None:
-        seq_ids = [i for i in self.pending if i in self.states]
+        seq_ids = [i for i in self.pending if i in self.states and self.states[i].draftable()]
         self.pending = []
         if not seq_ids:
             return
         states = [self.states[i] for i in seq_ids]
+        # Forward [.., rec, x1..xk] into each trunk: L_0..L_k per state [k + 1, V].
+        glued, outs = self.drafts.glue(states, [st.history for st in states], [st.last_spec for st in states])
         branches = []  # (state index, j, candidate)
-        for s, (st, logits) in enumerate(zip(states, self._glue(states), strict=True)):
+        for s, (st, logits) in enumerate(zip(states, glued, strict=True)):
             fan = self.settings.fanout_hit if st.hit else self.settings.fanout_miss
             branches.extend((s, j, c) for j, c in fork_candidates(logits, st.last_spec, fan, st.params))
         if not branches:
             return
-        decode = tree_decode_sdpa if self.settings.tree_backend == "sdpa" else tree_decode_paged
-        for (s, j, c), (tokens, probs) in zip(
-            branches, decode(self.drafts, states, branches, self.settings.k, self._sample), strict=True
-        ):
+        if self.settings.tree_backend == "sdpa":
+            drafts = tree_decode_sdpa(self.drafts, states, branches, self.settings.k, self._sample)
+        else:
+            hidden = None if outs is None else torch.cat([outs[s][j : j + 1] for s, j, _ in branches])
+            drafts = tree_decode_paged(self.drafts, states, branches, self.settings.k, self._sample, hidden)
+        for (s, j, c), (tokens, probs) in zip(branches, drafts, strict=True):
             self.cache.put(seq_ids[s], j, c, CachedDraft(tokens, probs))
-
-    def _glue(self, states: list[TrunkState]) -> list[torch.Tensor]:
-        """Forward [.., rec, x1..xk] into each trunk; logits L_0..L_k per state [k + 1, V]."""
-        feeds, starts, counts, rows = [], [], [], []
-        offset = 0
-        for st in states:
-            st.keep(len(st.history) - 1)  # rec onwards is recomputed: its logits are L_0..L_k
-            known = st.history + st.last_spec
-            self.drafts.blocks.grow(st, len(known))
-            feeds.append(known[st.num_cached_tokens :])
-            starts.append(st.num_cached_tokens)
-            counts.append(len(st.last_spec) + 1)
-            offset += len(feeds[-1])
-            rows.extend(range(offset - counts[-1], offset))
-        logits = self.drafts.runner.forward(states, starts, feeds, rows, decode=False)[:, : self.drafts.vocab_size]
-        for st, f in zip(states, feeds, strict=True):
-            st.num_cached_tokens += len(f)
-        return list(logits.split(counts))
 
     def release(self, seq_id: int) -> None:
         st = self.states.pop(seq_id, None)

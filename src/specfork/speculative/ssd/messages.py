@@ -42,6 +42,9 @@ class SpecRequest:
     ``new_tokens``: tokens committed since this sequence's previous request, the new ``rec``
     last (the whole prompt plus the first sampled token on the first request).
     ``num_accepted``: n of the previous verification (None on the first request).
+    ``features``: for a drafter that reads the target's features (an EAGLE-3 head), the
+    target's features of positions ``features_from...`` computed since the previous request
+    (the prompt's, then the accepted positions of each verification) [n, layers * hidden].
     """
 
     seq_id: int
@@ -49,6 +52,8 @@ class SpecRequest:
     num_accepted: int | None
     params: SamplingParams
     num_tokens: int
+    features: np.ndarray | None = None
+    features_from: int = 0
 
 
 @dataclass(slots=True)

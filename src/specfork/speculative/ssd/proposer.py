@@ -25,7 +25,7 @@ import torch
 
 from specfork.engine.sequence import Sequence
 from specfork.engine.step import StepHealth
-from specfork.speculative.proposer import NoProposals, Proposal, Proposer, ReadsNoFeatures
+from specfork.speculative.proposer import NoProposals, Proposal, Proposer
 from specfork.speculative.ssd.deadline import DrafterDeadline
 from specfork.speculative.ssd.messages import DrafterLaunch, SpecRequest
 from specfork.speculative.ssd.transport import DrafterError, DrafterProcess
@@ -75,7 +75,7 @@ class SSDStats:
         }
 
 
-class SSDProposer(ReadsNoFeatures):
+class SSDProposer:
     def __init__(
         self,
         launch: DrafterLaunch,
@@ -87,12 +87,17 @@ class SSDProposer(ReadsNoFeatures):
         pin_target: Callable[[bool], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         drafter: DrafterProcess | None = None,
+        feature_layers: tuple[int, ...] = (),
     ) -> None:
         """``timeout_s``: a fixed drafter timeout, or None to follow the observed rounds.
         ``pin_target(True)`` keeps the target on its own cores while a drafter runs on the others;
         ``pin_target(False)`` gives it every core back (drafter down, or closed). ``drafter``: a
-        process started earlier (its interpreter warm) and not yet launched; None starts one."""
+        process started earlier (its interpreter warm) and not yet launched; None starts one.
+        ``feature_layers``: the target layers whose features the drafter reads (an EAGLE-3 head);
+        they go to it with each sequence's next request."""
         self.launch = launch
+        self.feature_layers = feature_layers
+        self._features: dict[int, tuple[int, list[torch.Tensor]]] = {}  # seq -> (first position, rows)
         self.vocab_size = vocab_size
         self.device = device  # the target's: q is verified there
         self.deadline = DrafterDeadline(timeout_s)
@@ -124,6 +129,13 @@ class SSDProposer(ReadsNoFeatures):
 
     # -- Proposer -------------------------------------------------------------------------
 
+    def observe_features(self, seq: Sequence, first_position: int, features: torch.Tensor) -> None:
+        if self.drafter is not None:
+            first, rows = self._features.setdefault(seq.seq_id, (first_position, []))
+            rows.append(features)
+        if self.fallback is not None:
+            self.fallback.observe_features(seq, first_position, features)
+
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
         for s in seqs:
             self._live[s.seq_id] = s
@@ -148,6 +160,7 @@ class SSDProposer(ReadsNoFeatures):
         if self._sent.pop(seq.seq_id, None) is not None:
             self._released.append(seq.seq_id)
         self._accepted.pop(seq.seq_id, None)
+        self._features.pop(seq.seq_id, None)
         self._live.pop(seq.seq_id, None)
         if self.fallback is not None:
             self.fallback.release(seq)
@@ -172,6 +185,11 @@ class SSDProposer(ReadsNoFeatures):
             )
             for s, n in zip(seqs, num_tokens, strict=True)
         ]
+        for r in requests:
+            first, rows = self._features.pop(r.seq_id, (0, None))
+            if rows:
+                r.features_from = first
+                r.features = (torch.cat(rows) if len(rows) > 1 else rows[0]).float().cpu().numpy()
         released, self._released = self._released, []
         sending = sum(len(r.new_tokens) for r in requests)
         timeout = self.deadline.timeout(sending)
@@ -199,6 +217,7 @@ class SSDProposer(ReadsNoFeatures):
         self._sent.clear()
         self._accepted.clear()
         self._released.clear()
+        self._features.clear()  # the sequences in flight get no more drafts from a head
         self._pin(False)  # the drafter's cores are free meanwhile
         backoff = min(MAX_BACKOFF_S, RESTART_BACKOFF_S * 2 ** (self._failures_in_a_row - 1))
         self._restart_at = self._clock() + backoff

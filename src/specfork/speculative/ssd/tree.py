@@ -14,7 +14,8 @@ against each other):
   attention is the masked SDPA path.
 * ``fast``: every branch gets its own block table sharing the trunk's full blocks; the one
   partly filled block at its fork point is copied, so a branch is an ordinary causal sequence
-  and the native paged-attention decode kernel runs it with no mask.
+  and the native paged-attention decode kernel runs it with no mask. It runs draft models and
+  EAGLE-3 heads alike (a head's branch carries its hidden from row to row).
 
 **Saguaro sampling** (temperature > 0, coefficient C in (0, 1]): draws use q'(t) proportional
 to C * q(t) on the top-(F + 1) tokens of q and q(t) elsewhere, which steers the verifier's
@@ -32,6 +33,7 @@ import torch
 from specfork.sampling import Draw, filtered_probs
 from specfork.sampling_params import SamplingParams
 from specfork.speculative.draft_runner import DraftRunner
+from specfork.speculative.head_runner import HeadRunner
 
 Branch = tuple[int, int, int]  # (index of its sequence's trunk, outcome j, candidate token)
 Sampler = Callable[[torch.Tensor, list], Draw]  # (logits [N, V], trunk of each row) -> draw
@@ -95,14 +97,18 @@ class _BranchTable:
     block_table: list[int]
 
 
-def tree_decode_paged(drafts: DraftRunner, trunks: list, branches: list[Branch], k: int, sampler: Sampler) -> Drafts:
-    """The ``fast`` backend: one block table per branch, the fork block copied."""
+def tree_decode_paged(drafts: DraftRunner | HeadRunner, trunks: list, branches: list[Branch], k: int,
+                      sampler: Sampler, hidden: torch.Tensor | None = None) -> Drafts:
+    """The ``fast`` backend: one block table per branch, the fork block copied. For an EAGLE-3
+    head ``hidden`` [branches, d] is what each branch's first row reads (the glue's output
+    behind L_j); every further row reads the row before it."""
     bs, runner = drafts.blocks.block_size, drafts.runner
     virtual, owned, copies, starts = [], [], [], []
     try:
         for s, j, _c in branches:
             trunk = trunks[s]
-            start = len(trunk.history) + j  # the candidate's position (rec is at len(history) - 1)
+            # The row that reads the candidate (at P + j + 1, rec at P = len(history) - 1).
+            start = len(trunk.history) + j + drafts.row_offset
             shared = start // bs
             fresh = drafts.blocks.allocate(-(-(start + k) // bs) - shared)
             owned.extend(fresh)
@@ -119,8 +125,8 @@ def tree_decode_paged(drafts: DraftRunner, trunks: list, branches: list[Branch],
         out = _Collector(len(branches))
         every = list(range(len(branches)))
         for d in range(k):
-            logits = runner.forward(virtual, [p + d for p in starts], [[t] for t in feeds], every, decode=True)
-            draw = sampler(logits[:, : drafts.vocab_size], row_trunks)
+            logits, hidden = drafts.decode_step(virtual, [p + d for p in starts], feeds, hidden)
+            draw = sampler(logits, row_trunks)
             out.add(every, draw)
             feeds = draw.tokens
     finally:

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from specfork.speculative.draft_loading import load_draft
+from specfork.speculative.draft_loading import load_drafter
 from specfork.speculative.ssd.cores import pin_process
 from specfork.speculative.ssd.drafter import DrafterCore
 from specfork.speculative.ssd.messages import DrafterLaunch, WireReply
@@ -34,8 +34,8 @@ def drafter_main(conn) -> None:
         device = torch.device(launch.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        loaded = load_draft(launch.draft, device)  # token ids only: no tokenizer
-        core = DrafterCore(loaded.model, launch.settings, device, seed=launch.seed)
+        drafter = load_drafter(launch.draft, device)  # token ids only: no tokenizer
+        core = DrafterCore(drafter, launch.settings, device, seed=launch.seed)
         conn.send(("ready", {"pid": os.getpid(), "threads": torch.get_num_threads()}))
     except KeyboardInterrupt:
         return

@@ -1,0 +1,224 @@
+"""The EAGLE-3 head's drafting core: its paged KV cache, the target's features it has not run
+yet, and the one head drafting loop. SD's proposer and SSD's drafter (just-in-time drafts, the
+glue and the tree decode) all draft through it.
+
+Rows. The head's row t reads the hidden at position t (the target's features there, projected,
+or the head's own output at row t - 1) and the token at t + 1; its output predicts the token
+at t + 2. A sequence of N tokens (the last one pending: sampled, not yet run by the target) needs
+rows 0..N-2 from the target's features; the target computes them as it goes, so they arrive
+in order and are run ("caught up") before each round. Row N-2 predicts the first draft token;
+each further draft token is one row on the head's own output. Rows past the caught-up ones are
+written with stand-ins and rewritten once the target's features for them exist.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from specfork.config import K_MAX
+from specfork.engine.block_manager import BlockManager
+from specfork.engine.model_runner import ModelRunner
+from specfork.sampling import Reshape, sample
+from specfork.sampling_params import SamplingParams
+from specfork.speculative.draft_runner import Drafted, DraftState, last_rows
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class HeadState(DraftState):
+    """One sequence in the head's cache. Rows below ``clean`` were computed from the target's
+    features (``last_out``: the head's output at row ``clean - 1``); ``features`` are the
+    target's features of the positions from ``clean`` on, in order, not yet run."""
+
+    clean: int = 0
+    last_out: torch.Tensor | None = None
+    features: list[torch.Tensor] = field(default_factory=list)
+    num_features: int = 0
+    broken: bool = False  # features went missing: the sequence gets no drafts from the head
+
+    def observe(self, first_position: int, features: torch.Tensor, seq_id: int) -> None:
+        """The target's features of positions ``first_position...`` (they must follow the last ones)."""
+        if self.broken or not len(features):
+            return
+        if first_position != self.clean + self.num_features:
+            logger.warning("EAGLE-3 head: features of sequence %d arrived out of order (position %d, expected %d); "
+                           "it gets no more drafts", seq_id, first_position, self.clean + self.num_features)
+            self.broken = True
+            return
+        self.features.append(features)
+        self.num_features += len(features)
+
+    def ready(self, context_len: int) -> bool:
+        """Whether every row a round needs (all but the pending token's) can come from the
+        target's features, run already or waiting."""
+        caught_up = self.num_features > 0 or self.last_out is not None
+        return not self.broken and caught_up and self.clean + self.num_features == context_len - 1
+
+    def take_features(self) -> torch.Tensor:
+        rows = torch.cat(self.features) if len(self.features) > 1 else self.features[0]
+        self.features, self.num_features = [], 0
+        return rows
+
+
+class HeadRunner:
+    reads_features = True
+    row_offset = -1  # a token at position p is fed by row p - 1 (see the module docstring)
+
+    def __init__(self, head, *, vocab_size: int, num_blocks: int, block_size: int, device: torch.device) -> None:
+        """``vocab_size``: the target's vocabulary (the head's distribution is scattered into it)."""
+        self.head = head
+        self.runner = ModelRunner(head, num_blocks=num_blocks, block_size=block_size, device=device)
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.vocab_size = vocab_size
+        self.device = device
+
+    # -- rows ---------------------------------------------------------------------------
+
+    def catch_up(self, states: list[HeadState], contexts: list[list[int]]) -> None:
+        """Run every state's waiting features (states must be ``ready``); afterwards ``clean`` is
+        ``len(context) - 1`` and ``last_out`` predicts the token after the context."""
+        todo = [i for i, st in enumerate(states) if st.num_features]
+        if not todo:
+            return
+        for i in todo:
+            states[i].keep(states[i].clean)
+            self.blocks.grow(states[i], len(contexts[i]) - 1)
+        feeds = [contexts[i][states[i].clean + 1 :] for i in todo]
+        starts = [states[i].clean for i in todo]
+        hidden = self.head.project(torch.cat([states[i].take_features() for i in todo]))
+        decode = max(len(f) for f in feeds) <= K_MAX + 1  # longer: a prompt, a prefill pass
+        out = self._rows([states[i] for i in todo], starts, feeds, hidden, decode=decode)
+        for row, i in zip(last_rows(feeds), todo, strict=True):
+            st = states[i]
+            st.clean = st.num_cached_tokens = len(contexts[i]) - 1
+            st.last_out = out[row : row + 1]
+
+    def decode_step(self, tables: list, positions: list[int], tokens: list[int], hidden: torch.Tensor):
+        """One row per table: token ``tokens[i]`` at ``positions[i] + 1`` read by row
+        ``positions[i]`` with ``hidden[i]``; (full-vocabulary logits [n, V], the head's outputs [n, d])."""
+        out = self._rows(tables, positions, [[t] for t in tokens], hidden, decode=True)
+        return self.full_logits(out), out
+
+    def _rows(self, tables: list, starts: list[int], feeds: list[list[int]], hidden: torch.Tensor, *,
+              decode: bool) -> torch.Tensor:
+        ids, pos, meta = self.runner.prepare(tables, starts, feeds, decode=decode)
+        return self.head(ids, pos, hidden, self.runner.kv_caches, meta)
+
+    def full_logits(self, out: torch.Tensor) -> torch.Tensor:
+        """The head's logits scattered into the target's vocabulary (-inf elsewhere) [n, V]."""
+        logits = torch.full((len(out), self.vocab_size), float("-inf"), device=self.device)
+        logits[:, self.head.draft_to_target] = self.head.compute_logits(out)
+        return logits
+
+    # -- the drafting loop --------------------------------------------------------------
+
+    def draft(
+        self,
+        states: list[HeadState],
+        contexts: list[list[int]],
+        num_tokens: list[int],
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        reshape: Reshape | None = None,
+        min_confidence: float = 0.0,
+    ) -> list[Drafted]:
+        """Draft up to ``num_tokens[i]`` tokens after ``contexts[i]``: catch up on the target's
+        features, then one row per token on the head's own output; a chain ends early once the
+        head's probability of it falls below ``min_confidence``. A state that is not ``ready``
+        gets no tokens."""
+        tokens: list[list[int]] = [[] for _ in states]
+        probs: list[list[torch.Tensor]] = [[] for _ in states]
+        active = [i for i, n in enumerate(num_tokens) if n > 0 and states[i].ready(len(contexts[i]))]
+        if active:
+            for i in active:
+                self.blocks.grow(states[i], len(contexts[i]) - 2 + num_tokens[i])
+            self.catch_up([states[i] for i in active], [contexts[i] for i in active])
+            out = torch.cat([states[i].last_out for i in active])
+        confidence = [1.0] * len(states)
+        step = 0
+        while active:
+            drafted, q, p = self._draw(out, [params[i] for i in active], [generators[i] for i in active], reshape,
+                                       with_confidence=min_confidence > 0)
+            keep = []
+            for row, i in enumerate(active):
+                tokens[i].append(drafted[row])
+                if q is not None and not params[i].greedy:
+                    probs[i].append(q[row])
+                confidence[i] *= p[row]
+                if len(tokens[i]) < num_tokens[i] and confidence[i] >= min_confidence:
+                    keep.append(row)
+            active = [active[r] for r in keep]
+            if not active:
+                break
+            out = out.index_select(0, torch.tensor(keep, device=self.device))
+            positions = [len(contexts[i]) - 1 + step for i in active]
+            step += 1
+            out = self._rows([states[i] for i in active], positions, [[tokens[i][-1]] for i in active], out,
+                             decode=True)
+        return [Drafted(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs, strict=True)]
+
+    def _draw(self, out: torch.Tensor, params: list[SamplingParams], generators: list, reshape: Reshape | None, *,
+              with_confidence: bool):
+        """One token per row: (tokens, q [rows, V] or None when every row is greedy, the head's
+        probability of each token: ones unless ``with_confidence``)."""
+        if all(p.greedy for p in params):  # the head's best token; no distribution to send
+            draft_logits = self.head.compute_logits(out)
+            best = draft_logits.argmax(dim=-1)
+            tokens = self.head.draft_to_target.index_select(0, best).tolist()
+            if not with_confidence:
+                return tokens, None, [1.0] * len(params)
+            confidence = torch.softmax(draft_logits, dim=-1).gather(1, best.unsqueeze(1)).squeeze(1)
+            return tokens, None, confidence.tolist()
+        logits = self.full_logits(out)
+        draw = sample(logits, params, generators, reshape)
+        head_probs = torch.softmax(logits, dim=-1)
+        chosen = torch.tensor(draw.tokens, device=self.device).unsqueeze(1)
+        confidence = head_probs.gather(1, chosen).squeeze(1).tolist()
+        q = torch.stack([draw.q_of(r) if draw.q_of(r) is not None else head_probs[r] for r in range(len(params))])
+        return draw.tokens, q, confidence
+
+    # -- SSD's glue ---------------------------------------------------------------------
+
+    def glue(self, states: list[HeadState], contexts: list[list[int]], specs: list[list[int]]):
+        """For each (ready) state, the head's distributions L_0..L_m after ``context``, ``context +
+        spec[:1]``, .., ``context + spec`` (m = len(spec)): (logits [m + 1, V] per state, the
+        head's outputs behind them [m + 1, d] per state). The spec's rows are written as the
+        head's own chain would write them (stand-ins until the target's features exist)."""
+        self.catch_up(states, contexts)
+        outs = [[st.last_out] for st in states]
+        for st, context, spec in zip(states, contexts, specs, strict=True):
+            st.keep(st.clean)
+            self.blocks.grow(st, len(context) - 1 + len(spec))
+        for j in range(max((len(s) for s in specs), default=0)):
+            active = [i for i, s in enumerate(specs) if len(s) > j]
+            hidden = torch.cat([outs[i][-1] for i in active])
+            out = self._rows([states[i] for i in active], [len(contexts[i]) - 1 + j for i in active],
+                             [[specs[i][j]] for i in active], hidden, decode=True)
+            for row, i in enumerate(active):
+                outs[i].append(out[row : row + 1])
+        for st, context, spec in zip(states, contexts, specs, strict=True):
+            st.num_cached_tokens = len(context) - 1 + len(spec)
+        stacked = [torch.cat(o) for o in outs]
+        return [self.full_logits(o) for o in stacked], stacked
+
+    def release(self, state: DraftState) -> None:
+        self.blocks.free(state)
+
+    def draft_step_seconds(self) -> float:
+        """Median time of one head step (one row after a 64-row context, with its logits)."""
+        from specfork.speculative.auto_k import time_call
+
+        st = HeadState()
+        context = 64
+        self.blocks.grow(st, context + 1)
+        d = self.head.config.hidden_size
+        try:
+            self._rows([st], [0], [[1] * context], torch.zeros(context, d, device=self.device), decode=False)
+            return time_call(lambda: self.head.compute_logits(
+                self._rows([st], [context], [[1]], torch.zeros(1, d, device=self.device), decode=True)))
+        finally:
+            self.blocks.free(st)
