@@ -184,8 +184,9 @@ def test_bench_cli_bandwidth_adds_weight_bandwidth_columns(tiny, tmp_path, capsy
     assert report["machine"]["bandwidth"]["before"]["read_GBps"] == 10.0
     rows = {r["mode"]: r for r in report["results"]}
     assert rows["ar"]["weight_GBps"] > 0 and rows["sd"]["weight_GBps"] is None  # AR runs only
-    header = capsys.readouterr().out.splitlines()[0].split()
-    assert header[-2:] == ["wGB/s", "%bw"]
+    machine, header = capsys.readouterr().out.splitlines()[:2]
+    assert machine.endswith(f"native kernels: {report['machine']['kernels']}")
+    assert header.split()[-2:] == ["wGB/s", "%bw"]
     cells = {row[0].split()[1]: row[len(COLUMNS):] for row in table_rows(report)}
     assert cells["ar"] == [f"{rows['ar']['weight_GBps']:.1f}", f"{rows['ar']['weight_GBps'] / 20.0:.0%}"]
     assert cells["sd"] == ["-", "-"]

@@ -20,8 +20,11 @@ def machine_info() -> dict:
     except OSError:
         pass
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    from specfork.layers.cpu_kernels import instruction_set
+
     return {
         "cpu": cpu,
+        "kernels": instruction_set(),
         "cores": len(os.sched_getaffinity(0)),
         "torch": torch.__version__,
         "python": platform.python_version(),

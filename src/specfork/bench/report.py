@@ -139,7 +139,8 @@ def markdown(report: dict, command: str) -> str:
         "",
         f"Command: `{command}`",
         "",
-        f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, Python {m['python']}"
+        f"Machine: {m['cpu']}, {m['cores']} cores, native kernels {m.get('kernels')}, torch {m['torch']}, "
+        f"Python {m['python']}"
         + (f", GPU {m['cuda']}" if m.get("cuda") else "") + f"; commit {m.get('commit')}.",
         "",
         f"{s['num_prompts']} prompts per dataset, {s['output_len']} output tokens (EOS ignored), temperature "

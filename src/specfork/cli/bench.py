@@ -34,6 +34,8 @@ def run(args: argparse.Namespace) -> int:
 
     settings = BenchSettings(**schema.values(args, BenchSettings))
     report = run_benchmark(settings, parse_sweep(args.sweep), progress=args.progress)
+    m = report["machine"]
+    print(f"machine: {m['cpu']}, {m['cores']} cores; native kernels: {m['kernels']}")
     print(format_table(report))
     for note in report["notes"]:
         print(f"note: {note}", file=sys.stderr)

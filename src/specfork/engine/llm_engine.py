@@ -17,6 +17,7 @@ from specfork.engine.scheduler import Scheduler
 from specfork.engine.sequence import Sequence
 from specfork.engine.step import AutoregressiveStep, NewTokens, Step, StepHealth
 from specfork.errors import PromptError, SpecforkError
+from specfork.layers.cpu_kernels import instruction_set
 from specfork.loading import LoadedModel, load_model
 from specfork.outputs import RequestOutput, TokenLogprob
 from specfork.sampling_params import SamplingParams
@@ -81,8 +82,9 @@ class LLMEngine:
         self.eos_token_ids = frozenset(arch.eos_token_ids)
         self._ids = count()
         logger.info(
-            "loaded %s (%s, %d layers) on %s; KV cache %d blocks x %d tokens; max_model_len %d",
+            "loaded %s (%s, %d layers) on %s%s; KV cache %d blocks x %d tokens; max_model_len %d",
             self.loaded.location.path, arch.architecture, arch.num_layers, self.device,
+            f" (native kernels: {instruction_set()})" if self.device.type == "cpu" else "",
             num_blocks, config.block_size, self.max_model_len,
         )
 

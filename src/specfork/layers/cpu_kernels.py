@@ -35,7 +35,7 @@ def keyed_directory() -> Path:
     import torch
 
     digest = hashlib.sha256(torch.__version__.encode() + repr(FLAGS).encode())
-    for path in [_CSRC / name for name in SOURCES] + [_CSRC / "kernels.h"]:
+    for path in [_CSRC / name for name in SOURCES] + [_CSRC / "kernels.h", _CSRC / "quant_gemm_tiles.inc"]:
         digest.update(path.name.encode() + path.read_bytes())
     return build_directory() / f"kernels-{digest.hexdigest()[:16]}"
 
@@ -88,3 +88,9 @@ def _import(module_name: str, library: Path):
     spec.loader.exec_module(module)
     return module
 
+
+def instruction_set() -> str:
+    """The instruction set the native quantised kernels use on this CPU (the best it runs), or
+    "none" without native kernels."""
+    k = kernels()
+    return "none (PyTorch ops)" if k is None else k.kernel_isa()

@@ -6,6 +6,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_m_linear", &small_m_linear, "y = x @ W^T (+ bias) for few rows, from a packed weight");
   m.def("pack_quantized", &pack_quantized, "repack GGUF block-quantised rows into 32-column tiles of input pairs");
   m.def("quant_linear", &quant_linear, "y = x @ W^T (+ bias) for few rows, W block-quantised (Q4 or Q8)");
+  m.def("quant_linear_isa", &quant_linear_isa, "quant_linear on a named instruction set (for tests)");
+  m.def("kernel_isa", &kernel_isa, "the instruction set quant_linear uses on this CPU");
+  m.def("supported_isas", &supported_isas, "every instruction set quant_linear can use on this CPU");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension of float32 rows");
   m.def("paged_attention_decode", &paged_attention_decode, "causal paged attention for few queries per sequence");
   m.def("decoder_layer_decode", &decoder_layer_decode, "one Llama decoder layer of a decode/verify step");

@@ -4,6 +4,7 @@
 
 #include <torch/extension.h>
 
+#include <string>
 #include <vector>
 
 // small_m_gemm.cpp: float32 weights packed in 32-column blocks.
@@ -17,6 +18,13 @@ std::vector<torch::Tensor> pack_quantized(const torch::Tensor& q, const torch::T
 torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& units, const torch::Tensor& scales,
                            const torch::Tensor& offsets, int64_t n_out, int64_t format,
                            const c10::optional<torch::Tensor>& bias);
+// The same on a named instruction set ("portable", "avx2", "avx512", "avx512-vnni"; all give identical
+// results), the best one this CPU runs (the one quant_linear uses), and every one it runs.
+torch::Tensor quant_linear_isa(const torch::Tensor& x, const torch::Tensor& units, const torch::Tensor& scales,
+                               const torch::Tensor& offsets, int64_t n_out, int64_t format,
+                               const c10::optional<torch::Tensor>& bias, const std::string& isa);
+std::string kernel_isa();
+std::vector<std::string> supported_isas();
 
 // rms_norm.cpp
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);

@@ -24,7 +24,9 @@
 //
 // Integer sums are exact, and the float epilogue runs in the same order for every row, so a row's
 // result never depends on how many other rows share the call (batch-invariant by construction), and
-// the AVX2 and portable paths give identical results.
+// every instruction set gives identical results. The inner loops (quant_gemm_tiles.inc) are compiled
+// for portable C++, AVX2, AVX-512 and AVX-512 VNNI whatever the build machine's flags, and the best
+// one this CPU runs is picked once at run time (quant_linear_isa runs a named one, for tests).
 #include "kernels.h"
 #include <ATen/Parallel.h>
 
@@ -33,7 +35,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#if defined(__AVX2__)
+#if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
@@ -41,7 +43,6 @@ namespace {
 
 constexpr int64_t kTile = 32;        // output columns per tile
 constexpr int64_t kMaxGroup = 128;   // largest quantisation group (inputs sharing one scale)
-constexpr int64_t kRowBlock = 4;     // rows sharing one pass over a group's weights (registers: 4 x 2 accumulators)
 constexpr float kInt16Max = 32767.0f;
 
 enum Format : int64_t { kQ4 = 4, kQ8 = 8 };
@@ -70,139 +71,97 @@ inline int32_t unit_value(const uint8_t* unit, int f, int lane) {
   }
 }
 
-// sums[m][j] = sum over the group's input pairs of xq[m] . q[j] (exact int32), for MB rows.
-template <int FMT, int MB>
-inline void group_sums(const int16_t* const* xq, const uint8_t* __restrict units, int64_t pairs,
-                       int32_t (*sums)[kTile]) {
-#if defined(__AVX2__)
-  const __m256i low4 = _mm256_set1_epi16(15);
-  if constexpr (MB == 1) {
-    // One row: unpack each unit once into its four fields and use them at once.
-    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t kp = 0; kp < pairs; ++kp) {
-      const __m256i xp = _mm256_set1_epi32(input_pair(xq[0], kp));
-      const uint8_t* u = units + kp * unit_bytes<FMT>();
-      __m256i w0, w1, w2, w3;
-      if constexpr (FMT == kQ4) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u));
-        w0 = _mm256_and_si256(v, low4);
-        w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-        w2 = _mm256_and_si256(_mm256_srli_epi16(v, 8), low4);
-        w3 = _mm256_srli_epi16(v, 12);
-      } else {
-        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u));
-        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 32));
-        w0 = _mm256_srai_epi16(_mm256_slli_epi16(v0, 8), 8);
-        w1 = _mm256_srai_epi16(v0, 8);
-        w2 = _mm256_srai_epi16(_mm256_slli_epi16(v1, 8), 8);
-        w3 = _mm256_srai_epi16(v1, 8);
-      }
-      a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(w0, xp));
-      a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(w1, xp));
-      a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(w2, xp));
-      a3 = _mm256_add_epi32(a3, _mm256_madd_epi16(w3, xp));
-    }
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums[0]), a0);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums[0] + 8), a1);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums[0] + 16), a2);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums[0] + 24), a3);
-  } else {
-    // Several rows (up to kRowBlock): two passes of two fields each, so the accumulators of every
-    // row stay in registers and each unpacked field serves all the rows.
-    for (int half = 0; half < 2; ++half) {
-      __m256i acc0[MB], acc1[MB];
-      for (int m = 0; m < MB; ++m) acc0[m] = acc1[m] = _mm256_setzero_si256();
-      for (int64_t kp = 0; kp < pairs; ++kp) {
-        const uint8_t* u = units + kp * unit_bytes<FMT>();
-        __m256i w0, w1;
-        if constexpr (FMT == kQ4) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u));
-          if (half == 0) {
-            w0 = _mm256_and_si256(v, low4);
-            w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-          } else {
-            w0 = _mm256_and_si256(_mm256_srli_epi16(v, 8), low4);
-            w1 = _mm256_srli_epi16(v, 12);
-          }
-        } else {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + half * 32));
-          w0 = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8);
-          w1 = _mm256_srai_epi16(v, 8);
-        }
-        for (int m = 0; m < MB; ++m) {
-          const __m256i xp = _mm256_set1_epi32(input_pair(xq[m], kp));
-          acc0[m] = _mm256_add_epi32(acc0[m], _mm256_madd_epi16(w0, xp));
-          acc1[m] = _mm256_add_epi32(acc1[m], _mm256_madd_epi16(w1, xp));
-        }
-      }
-      for (int m = 0; m < MB; ++m) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums[m] + 16 * half), acc0[m]);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums[m] + 16 * half + 8), acc1[m]);
-      }
-    }
+// One call's operands (rows already rounded to int16, see quant_linear).
+struct Gemm {
+  const int16_t* xq;
+  const int32_t* xqsum;
+  const float* xscale;
+  const float* xsum;
+  int64_t M, K, groups, group;
+  const uint8_t* units;
+  const float* scales;
+  const float* offsets;
+  float* y;
+  int64_t n_out;
+  const float* bias;
+  int64_t format;
+};
+
+}  // namespace
+
+// The inner loops once per instruction set (quant_gemm_tiles.inc), each in its own namespace.
+#define QG_ISA 0
+namespace qg_portable {
+#include "quant_gemm_tiles.inc"
+}
+#undef QG_ISA
+#if defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#define QG_ISA 1
+namespace qg_avx2 {
+#include "quant_gemm_tiles.inc"
+}
+#undef QG_ISA
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl")
+#define QG_ISA 2
+namespace qg_avx512 {
+#include "quant_gemm_tiles.inc"
+}
+#undef QG_ISA
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")
+#define QG_ISA 3
+namespace qg_avx512_vnni {
+#include "quant_gemm_tiles.inc"
+}
+#undef QG_ISA
+#pragma GCC pop_options
+#endif
+
+namespace {
+
+const char* const kIsaNames[] = {"portable", "avx2", "avx512", "avx512-vnni"};
+constexpr int64_t kNumIsas = 4;
+
+bool isa_supported(int64_t isa) {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  switch (isa) {
+    case 0: return true;
+    case 1: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case 2: return isa_supported(1) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                   __builtin_cpu_supports("avx512vl");
+    case 3: return isa_supported(2) && __builtin_cpu_supports("avx512vnni");
+    default: return false;
   }
 #else
-  for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < kTile; ++j) sums[m][j] = 0;
-  for (int64_t kp = 0; kp < pairs; ++kp) {
-    const uint8_t* u = units + kp * unit_bytes<FMT>();
-    for (int f = 0; f < 4; ++f)
-      for (int p = 0; p < 8; ++p) {
-        const int32_t q0 = unit_value<FMT>(u, f, 2 * p), q1 = unit_value<FMT>(u, f, 2 * p + 1);
-        for (int m = 0; m < MB; ++m)
-          sums[m][8 * f + p] += q0 * int32_t(xq[m][2 * kp]) + q1 * int32_t(xq[m][2 * kp + 1]);
-      }
-  }
+  return isa == 0;
 #endif
 }
 
-// One tile (32 outputs) for all M rows, MB rows per pass over each group's weights.
-template <int FMT, int MB>
-inline void tile_rows(const int16_t* xq, const int32_t* __restrict xqsum, const float* __restrict xscale,
-                      const float* __restrict xsum, int64_t K,
-                      int64_t groups, int64_t group, const uint8_t* __restrict units, const float* __restrict d,
-                      const float* __restrict o, float (*acc)[kTile]) {
-  const int64_t pairs = group / 2;
-  const int16_t* rows[MB];
-  int32_t sums[MB][kTile];
-  for (int64_t g = 0; g < groups; ++g) {
-    for (int m = 0; m < MB; ++m) rows[m] = xq + m * K + g * group;
-    group_sums<FMT, MB>(rows, units + g * pairs * unit_bytes<FMT>(), pairs, sums);
-    const float* dg = d + g * kTile;
-    const float* og = o + g * kTile;
-    for (int m = 0; m < MB; ++m) {
-      const float s = xscale[m * groups + g], xs = xsum[m * groups + g];
-      const int32_t centre = kCentre<FMT> * xqsum[m * groups + g];
-#pragma GCC ivdep
-      for (int j = 0; j < kTile; ++j)
-        acc[m][j] = __builtin_fmaf(og[j], xs, __builtin_fmaf(dg[j] * s, static_cast<float>(sums[m][j] - centre), acc[m][j]));
-    }
-  }
+// The best set this CPU runs, found once.
+int64_t best_isa() {
+  static const int64_t best = [] {
+    int64_t b = 0;
+    for (int64_t i = 1; i < kNumIsas; ++i)
+      if (isa_supported(i)) b = i;
+    return b;
+  }();
+  return best;
 }
 
-template <int FMT>
-void tile_all_rows(const int16_t* xq, const int32_t* xqsum, const float* xscale, const float* xsum, int64_t M, int64_t K, int64_t groups,
-                   int64_t group, const uint8_t* units, const float* d, const float* o, float* y, int64_t ldy,
-                   int64_t ncols, const float* bias) {
-  float acc[kRowBlock][kTile];
-  const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;  // as even as possible: 5 rows = 3 + 2, not 4 + 1
-  for (int64_t b = 0, m0 = 0; b < blocks; ++b) {
-    const int64_t mb = (M - m0) / (blocks - b) + ((M - m0) % (blocks - b) ? 1 : 0);
-    for (int64_t m = 0; m < mb; ++m)
-      for (int j = 0; j < kTile; ++j) acc[m][j] = 0.0f;
-    const int16_t* x = xq + m0 * K;
-    const int32_t* qs = xqsum + m0 * groups;
-    const float* s = xscale + m0 * groups;
-    const float* xs = xsum + m0 * groups;
-    switch (mb) {
-      case 1: tile_rows<FMT, 1>(x, qs, s, xs, K, groups, group, units, d, o, acc); break;
-      case 2: tile_rows<FMT, 2>(x, qs, s, xs, K, groups, group, units, d, o, acc); break;
-      case 3: tile_rows<FMT, 3>(x, qs, s, xs, K, groups, group, units, d, o, acc); break;
-      default: tile_rows<FMT, 4>(x, qs, s, xs, K, groups, group, units, d, o, acc); break;
-    }
-    for (int64_t m = 0; m < mb; ++m)
-      for (int64_t j = 0; j < ncols; ++j) y[(m0 + m) * ldy + j] = acc[m][j] + (bias ? bias[j] : 0.0f);
-    m0 += mb;
+void run_isa(int64_t isa, const Gemm& a, int64_t t0, int64_t t1) {
+  switch (isa) {
+#if defined(__x86_64__)
+    case 1: qg_avx2::run(a, t0, t1); return;
+    case 2: qg_avx512::run(a, t0, t1); return;
+    case 3: qg_avx512_vnni::run(a, t0, t1); return;
+#endif
+    default: qg_portable::run(a, t0, t1); return;
   }
 }
 
@@ -273,10 +232,44 @@ std::vector<torch::Tensor> pack_quantized(const torch::Tensor& q, const torch::T
   return {units, s, o};
 }
 
-// x [M, K] float32 -> y [M, n_out]
+namespace {
+torch::Tensor quant_linear_impl(const torch::Tensor& x_in, const torch::Tensor& units, const torch::Tensor& scales,
+                                const torch::Tensor& offsets, int64_t n_out, int64_t format,
+                                const c10::optional<torch::Tensor>& bias, int64_t isa);
+}  // namespace
+
+// x [M, K] float32 -> y [M, n_out], on the best instruction set of this CPU.
 torch::Tensor quant_linear(const torch::Tensor& x_in, const torch::Tensor& units, const torch::Tensor& scales,
                            const torch::Tensor& offsets, int64_t n_out, int64_t format,
                            const c10::optional<torch::Tensor>& bias) {
+  return quant_linear_impl(x_in, units, scales, offsets, n_out, format, bias, best_isa());
+}
+
+std::string kernel_isa() { return kIsaNames[best_isa()]; }
+
+std::vector<std::string> supported_isas() {
+  std::vector<std::string> names;
+  for (int64_t i = 0; i < kNumIsas; ++i)
+    if (isa_supported(i)) names.push_back(kIsaNames[i]);
+  return names;
+}
+
+torch::Tensor quant_linear_isa(const torch::Tensor& x_in, const torch::Tensor& units, const torch::Tensor& scales,
+                               const torch::Tensor& offsets, int64_t n_out, int64_t format,
+                               const c10::optional<torch::Tensor>& bias, const std::string& isa_name) {
+  int64_t isa = -1;
+  for (int64_t i = 0; i < kNumIsas; ++i)
+    if (isa_name == kIsaNames[i]) isa = i;
+  TORCH_CHECK(isa >= 0, "quant_linear: unknown instruction set ", isa_name);
+  TORCH_CHECK(isa_supported(isa), "quant_linear: this CPU does not run ", isa_name);
+  return quant_linear_impl(x_in, units, scales, offsets, n_out, format, bias, isa);
+}
+
+namespace {
+
+torch::Tensor quant_linear_impl(const torch::Tensor& x_in, const torch::Tensor& units, const torch::Tensor& scales,
+                                const torch::Tensor& offsets, int64_t n_out, int64_t format,
+                                const c10::optional<torch::Tensor>& bias, int64_t isa) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat32, "quant_linear: 2-D float32 input");
   TORCH_CHECK(format == kQ4 || format == kQ8, "quant_linear: format must be 4 or 8");
   const auto x = x_in.contiguous();
@@ -329,17 +322,10 @@ torch::Tensor quant_linear(const torch::Tensor& x_in, const torch::Tensor& units
       xscale[m * groups + g] = finite ? amax / kInt16Max : std::numeric_limits<float>::quiet_NaN();
       xsum[m * groups + g] = total;
     }
-  const uint8_t* up = units.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
-  const float* op = offsets.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const auto run = format == kQ4 ? tile_all_rows<kQ4> : tile_all_rows<kQ8>;
-  at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t col = t * kTile;
-      run(xq, xqsum, xscale, xsum, M, K, groups, group, up + t * (K / 2) * bytes, sp + t * groups * kTile,
-          op + t * groups * kTile, yp + col, n_out, std::min(kTile, n_out - col), bp ? bp + col : nullptr);
-    }
-  });
+  const Gemm gemm{xq, xqsum, xscale, xsum, M, K, groups, group, units.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+                  offsets.data_ptr<float>(), y.data_ptr<float>(), n_out, bp, format};
+  at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) { run_isa(isa, gemm, t0, t1); });
   return y;
 }
+
+}  // namespace
