@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import torch
 
 from specfork import LLM, SamplingParams
-from specfork.bench.forward import forward_ms, prefilled
+from specfork.bench.forward import forward_ms, prefilled, unfused
 from specfork.bench.machine import read_bandwidth, weight_bytes
 from specfork.bench.timing import median, timed
 from specfork.layers import attention as attention_module
@@ -61,12 +61,9 @@ class ModuleClock:
 
 def module_split_ms(model, forward, rows: int, repeat: int, warmup: int = 3) -> tuple[float, float, float]:
     """Median (forward, linear, attention) ms of ``forward(rows)`` on the Python module path: the
-    fused layer (one native call per layer) has no seams to time, so it is off for this part."""
-    fused = [layer.fused_decode for layer in model.layers]
-    for layer in model.layers:
-        layer.fused_decode = None
+    native calls (the whole stack, or one per layer) have no seams to time, so they are off here."""
     totals, parts = [], {"linear": [], "attention": []}
-    try:
+    with unfused(model):
         for i in range(warmup + repeat):
             modules = ModuleClock()
             with modules.installed(model):
@@ -75,9 +72,6 @@ def module_split_ms(model, forward, rows: int, repeat: int, warmup: int = 3) -> 
                 totals.append(elapsed)
                 for k in parts:
                     parts[k].append(modules.seconds[k])
-    finally:
-        for layer, f in zip(model.layers, fused, strict=True):
-            layer.fused_decode = f
     return tuple(median(x) * 1e3 for x in (totals, parts["linear"], parts["attention"]))
 
 
@@ -118,7 +112,8 @@ def profile(model_name: str, weights: str, threads: int, context: int, repeat: i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--draft", default="default", help="also profile this draft (default: the shipped one; '' to skip)")
+    parser.add_argument("--draft", default="default",
+                        help="also profile this draft model (default: the shipped one; '' to skip)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=20)
@@ -131,7 +126,7 @@ def main() -> None:
     if args.draft:
         from specfork.loading.resolve import resolve_checkpoint, resolve_draft
 
-        draft = str(resolve_draft(args.draft, resolve_checkpoint(args.model)))
+        draft = str(resolve_draft(args.draft, resolve_checkpoint(args.model), heads=False))
         for weights in ("fp32", "native"):
             profile(draft, weights, args.threads, args.context, args.repeat, 1, bandwidth)
 

@@ -175,21 +175,17 @@ def test_embedded_model_native_greedy_equals_fp32_except_near_ties(max_tokens):
 # ---- the fused decoder layer ---------------------------------------------------------------------
 
 
-def _without_fused_layers(model):
-    saved = [layer.fused_decode for layer in model.layers]
-    for layer in model.layers:
-        layer.fused_decode = None
-    return saved
-
-
 @needs_kernel
 @pytest.mark.parametrize("out_type", ["q4_0", "q4_1", "q8_0"])
-def test_fused_decode_layer_is_bit_identical_to_the_module_path(quantized_ggufs, out_type):
+def test_one_native_call_per_forward_is_bit_identical_to_the_module_path(quantized_ggufs, out_type):
+    """Decode and verify windows of two sequences: all layers in one native call, one native call
+    per layer, and the Python module path give the same logits, features and KV cache, bit for bit."""
+    from specfork.bench.forward import unfused
     from specfork.engine.sequence import Sequence
 
     llm = LLM(str(quantized_ggufs[out_type]))
     engine, model = llm.engine, llm.engine.loaded.model
-    assert all(layer.fused_decode is not None for layer in model.layers)
+    assert model.fused_stack is not None and all(layer.fused_decode is not None for layer in model.layers)
     prompts = [[1, 17, 33, 5, 99, 201, 4, 8, 3, 3, 7], [2, 9, 40]]
     seqs = [Sequence(-1 - i, p + [5, 6, 7], SamplingParams(temperature=0.0), torch.Generator())
             for i, p in enumerate(prompts)]
@@ -197,23 +193,29 @@ def test_fused_decode_layer_is_bit_identical_to_the_module_path(quantized_ggufs,
         engine.block_manager.grow(seq, len(prompt) + 3)
         engine.runner.forward([seq], [0], [prompt], [len(prompt) - 1], decode=False)
     calls = []
-    first = model.layers[0].fused_decode
-    model.layers[0].fused_decode = lambda *a: calls.append(1) or first(*a)
+    stack = model.fused_stack
+    model.fused_stack = lambda *a: calls.append(1) or stack(*a)
+    engine.runner.capture_features((0, 1, 1))
+
+    def run(args):
+        logits = engine.runner.forward(*args)
+        return logits, engine.runner.features, [c.clone() for c in engine.runner.kv_caches]
+
     try:
         for rows in ([1, 1], [3, 2], [1, 3]):  # decode and verification windows, two sequences
             args = ([s for s in seqs], [len(p) for p in prompts], [[5, 6, 7][:n] for n in rows], list(range(sum(rows))))
-            fused = engine.runner.forward(*args)
-            fused_cache = [c.clone() for c in engine.runner.kv_caches]
-            saved = _without_fused_layers(model)
-            try:
-                modules = engine.runner.forward(*args)
-            finally:
-                for layer, f in zip(model.layers, saved, strict=True):
-                    layer.fused_decode = f
-            assert calls, "the fused layer did not run"
+            one_call = run(args)
+            assert calls, "the one-call stack did not run"
             calls.clear()
-            assert torch.equal(fused, modules)
-            assert all(torch.equal(a, b) for a, b in zip(fused_cache, engine.runner.kv_caches, strict=True))
+            model.fused_stack, saved = None, model.fused_stack
+            per_layer = run(args)
+            model.fused_stack = saved
+            with unfused(model):
+                modules = run(args)
+            assert not calls
+            for other in (per_layer, modules):
+                assert torch.equal(one_call[0], other[0]) and torch.equal(one_call[1], other[1])
+                assert all(torch.equal(a, b) for a, b in zip(one_call[2], other[2], strict=True))
     finally:
         for seq in seqs:
             engine.block_manager.free(seq)
@@ -224,5 +226,7 @@ def test_embedded_model_decodes_the_same_with_and_without_the_fused_layer():
     llm = LLM()
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     fused = llm.generate("def quicksort(items):", params)[0].token_ids
-    _without_fused_layers(llm.engine.loaded.model)
-    assert llm.generate("def quicksort(items):", params)[0].token_ids == fused
+    from specfork.bench.forward import unfused
+
+    with unfused(llm.engine.loaded.model):
+        assert llm.generate("def quicksort(items):", params)[0].token_ids == fused

@@ -12,6 +12,22 @@ from specfork.bench.timing import median, timed
 
 
 @contextmanager
+def unfused(model) -> Iterator[None]:
+    """``model`` on the Python module path while inside: no one-call stack, no fused layers (what
+    benchmarks time module by module, and what tests compare the native calls with)."""
+    stack, layers = model.fused_stack, [layer.fused_decode for layer in model.layers]
+    model.fused_stack = None
+    for layer in model.layers:
+        layer.fused_decode = None
+    try:
+        yield
+    finally:
+        model.fused_stack = stack
+        for layer, fused in zip(model.layers, layers, strict=True):
+            layer.fused_decode = fused
+
+
+@contextmanager
 def prefilled(llm, context: int, max_rows: int = 1, seed: int = 0) -> Iterator[Callable[[int], None]]:
     """A sequence of ``context`` random tokens prefilled into ``llm``'s KV cache. Yields
     ``forward(rows)``: the model on ``rows`` (<= ``max_rows``) more tokens at positions

@@ -7,6 +7,10 @@ attention, SiLU gating, residuals) in one call, with the same kernels and elemen
 as the module path, so its output is bit-identical to it. It serves steps that use the native
 paged-attention kernel (``AttentionMetadata.native_decode``) on layers whose projections all run
 the native quantised kernel; anything else takes the module path.
+
+``FusedDecoderStack`` goes one step further for a model whose every layer fuses: all layers and
+the final norm in one call (``decoder_stack_decode``, the same per-layer code in a C++ loop), so a
+decode step returns to Python once instead of once per layer.
 """
 
 from __future__ import annotations
@@ -53,3 +57,33 @@ def fuse_decoder_layer(input_norm: RMSNorm, projections: tuple, post_norm: RMSNo
         weights += [p.values, p.scales, p.offsets, bias]
         formats += [p.out_features, p.bits]
     return FusedDecodeLayer(kernels, weights, formats, num_heads, num_kv_heads, input_norm.eps, scale)
+
+
+class FusedDecoderStack:
+    def __init__(self, layers: list[FusedDecodeLayer], final_norm: RMSNorm) -> None:
+        first = layers[0]
+        self._kernels = first._kernels
+        self._weights = [layer._weights for layer in layers]
+        self._formats = [layer._formats for layer in layers]
+        self._heads, self._eps, self._scale = first._heads, first._eps, first._scale
+        self._norm = final_norm
+
+    def __call__(self, x: torch.Tensor, rope: RopeTables, caches: list[torch.Tensor], meta: AttentionMetadata,
+                 capture: tuple[int, ...] = ()) -> list[torch.Tensor]:
+        """[hidden after the final norm] or, with ``capture``, [hidden, the inputs of those layers
+        side by side]."""
+        return self._kernels.decoder_stack_decode(
+            x.contiguous(), self._weights, self._formats, caches, rope.cos, rope.sin_signed, meta.block_tables,
+            meta.seq_index, meta.positions, meta.slot_mapping, *self._heads, self._eps, self._scale, list(capture),
+            self._norm.weight, self._norm.eps,
+        )
+
+
+def fuse_decoder_stack(layers: list[FusedDecodeLayer | None], final_norm: RMSNorm) -> FusedDecoderStack | None:
+    """The whole stack in one call, where every layer fuses alike and the final norm runs natively."""
+    if not layers or any(layer is None for layer in layers) or final_norm.weight.dtype != torch.float32:
+        return None
+    first = layers[0]
+    if any((layer._heads, layer._eps, layer._scale) != (first._heads, first._eps, first._scale) for layer in layers):
+        return None
+    return FusedDecoderStack(layers, final_norm)

@@ -16,7 +16,7 @@ from torch import nn
 
 from specfork.errors import ModelLoadError
 from specfork.layers.attention import AttentionMetadata, paged_attention, write_kv
-from specfork.layers.fused_layer import fuse_decoder_layer
+from specfork.layers.fused_layer import fuse_decoder_layer, fuse_decoder_stack
 from specfork.layers.linear import make_linear
 from specfork.layers.norm import RMSNorm
 from specfork.layers.quantized import QuantizedWeight, dense
@@ -112,6 +112,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = make_linear(head)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        # Decode/verify steps of a model whose layers all fuse: one native call for all of them.
+        self.fused_stack = fuse_decoder_stack([layer.fused_decode for layer in self.layers], self.norm)
 
     def forward(
         self,
@@ -127,6 +129,9 @@ class LlamaForCausalLM(nn.Module):
         order, [T, len(capture) * hidden]. Capturing changes nothing that is computed."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary.at(positions)
+        if meta.native_decode and self.fused_stack is not None:
+            out = self.fused_stack(x, rope, kv_caches, meta, capture)
+            return tuple(out) if capture else out[0]
         inputs = {}
         for index, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if index in capture:

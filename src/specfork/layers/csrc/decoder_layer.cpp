@@ -95,3 +95,32 @@ torch::Tensor decoder_layer_decode(const torch::Tensor& x, const torch::Tensor& 
   for (int64_t i = 0; i < y.numel(); ++i) yp[i] = hp[i] + yp[i];
   return y;
 }
+
+// Every decoder layer of a decode or verification step, then the final norm, in one call (no return
+// to Python between layers): the same decoder_layer_decode per layer, so bit-identical to calling it
+// layer by layer. Returns {hidden after the final norm} and, with `capture` (layer indices), the
+// inputs of those layers concatenated in that order ([T, |capture| H]: an EAGLE-3 head's features).
+std::vector<torch::Tensor> decoder_stack_decode(
+    const torch::Tensor& x_in, const std::vector<std::vector<torch::Tensor>>& layer_weights,
+    const std::vector<std::vector<int64_t>>& layer_formats, const std::vector<torch::Tensor>& caches,
+    const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& block_tables, const torch::Tensor& seq_of,
+    const torch::Tensor& pos_of, const torch::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads,
+    double eps, double scale, const std::vector<int64_t>& capture, const torch::Tensor& final_norm, double final_eps) {
+  const size_t L = layer_weights.size();
+  TORCH_CHECK(layer_formats.size() == L && caches.size() == L, "decoder_stack_decode: one cache and format list per layer");
+  std::vector<torch::Tensor> captured(capture.size());
+  const auto llama_attention = torch::empty({0});  // attention reads rms_norm(x)
+  auto x = x_in.contiguous();
+  for (size_t i = 0; i < L; ++i) {
+    for (size_t c = 0; c < capture.size(); ++c)
+      if (capture[c] == static_cast<int64_t>(i)) captured[c] = x;
+    x = decoder_layer_decode(x, llama_attention, layer_weights[i], layer_formats[i], cos, sin, caches[i], block_tables,
+                             seq_of, pos_of, slot_mapping, num_heads, num_kv_heads, eps, scale);
+  }
+  std::vector<torch::Tensor> out{rms_norm(x, final_norm, final_eps)};
+  if (!capture.empty()) {
+    for (const auto& c : captured) TORCH_CHECK(c.defined(), "decoder_stack_decode: capture names a layer it does not have");
+    out.push_back(torch::cat(captured, 1));
+  }
+  return out;
+}
