@@ -10,6 +10,7 @@ from specfork.options import int_or_auto, option, seconds_or_auto
 
 DEFAULT_MODEL = "smollm2-135m"
 DTYPES = ("float32", "bfloat16", "float16")
+KV_DTYPES = ("float32", "float16")
 MODES = ("ar", "sd", "ssd")
 SSD_BACKUPS = ("jit", "fast")
 TREE_BACKENDS = ("sdpa", "fast")
@@ -37,6 +38,10 @@ class Config:
     num_kv_blocks: int | None = option(None, "KV-cache blocks of --block-size tokens (default: enough for "
                                        "--kv-cache-tokens)", group=ENGINE)
     kv_cache_tokens: int = option(16384, "KV-cache capacity in tokens over all sequences", group=ENGINE)
+    kv_cache_dtype: str | None = option(None, "KV-cache element type: float16 halves the cache's memory and what "
+                                        "attention reads (keys and values rounded to fp16; tolerance in "
+                                        "docs/benchmarks.md) (default: the model's dtype)",
+                                        choices=KV_DTYPES, group=ENGINE)
     max_num_seqs: int = option(32, "most sequences decoded together", group=ENGINE)
     max_num_batched_tokens: int = option(4096, "most tokens in one forward pass; longer prompts are prefilled "
                                          "in chunks", group=ENGINE)
@@ -106,6 +111,8 @@ class Config:
             raise SpecforkError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.device == "cpu" and self.dtype not in (None, "float32"):
             raise SpecforkError(f"dtype {self.dtype} is not supported on CPU; use float32")
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_DTYPES:
+            raise SpecforkError(f"kv_cache_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_cache_dtype!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise SpecforkError(f"seed must be an integer, got {self.seed!r}")
         _positive("block_size", self.block_size)

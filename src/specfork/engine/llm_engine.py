@@ -67,6 +67,7 @@ class LLMEngine:
             block_size=config.block_size,
             device=self.device,
             deterministic=config.deterministic,
+            kv_dtype=getattr(torch, config.kv_cache_dtype) if config.kv_cache_dtype else None,
         )
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(

@@ -22,23 +22,27 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         deterministic: bool = False,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         """``deterministic``: decode and verify steps use batch-invariant kernels, so a token's
-        logits do not depend on how many tokens or sequences share its forward pass."""
+        logits do not depend on how many tokens or sequences share its forward pass.
+        ``kv_dtype``: the KV cache's element type (default: the model's)."""
         cfg = model.config
         self.model = model
         self.deterministic = deterministic
         set_batch_invariant(model, deterministic)
         dtype = model.embed_tokens.weight.dtype
+        kv_dtype = kv_dtype or dtype
         self.native_decode_attention = (
-            device.type == "cpu" and dtype == torch.float32 and native_kernels() is not None
+            device.type == "cpu" and dtype == torch.float32 and kv_dtype in (torch.float32, torch.float16)
+            and native_kernels() is not None
         )
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
         # Zero-filled: masked-out slots are multiplied by 0 in attention, which needs finite values.
         self.kv_caches = [
-            torch.zeros(2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
+            torch.zeros(2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=kv_dtype, device=device)
             for _ in range(cfg.num_layers)
         ]
         self.feature_layers: tuple[int, ...] = ()

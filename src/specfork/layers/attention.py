@@ -1,7 +1,8 @@
 """Attention over a paged KV cache.
 
 The cache of one layer is a tensor ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
-(keys, then values). A sequence owns a list of blocks (its block table); token ``i`` of the
+(keys, then values), in the model's dtype or float16 (``--kv-cache-dtype``: keys and values are
+rounded to it when written and read back exactly as float32). A sequence owns a list of blocks (its block table); token ``i`` of the
 sequence lives in block ``block_table[i // block_size]`` at offset ``i % block_size``.
 
 The native CPU kernel (``csrc/paged_attention.cpp``) serves decode and verification steps:
@@ -48,8 +49,8 @@ class AttentionMetadata:
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store new keys/values ``[T, Hkv, D]`` at their slots."""
     _, num_blocks, block_size, hkv, d = cache.shape
-    cache[0].view(num_blocks * block_size, hkv, d).index_copy_(0, slot_mapping, k)
-    cache[1].view(num_blocks * block_size, hkv, d).index_copy_(0, slot_mapping, v)
+    cache[0].view(num_blocks * block_size, hkv, d).index_copy_(0, slot_mapping, k.to(cache.dtype))
+    cache[1].view(num_blocks * block_size, hkv, d).index_copy_(0, slot_mapping, v.to(cache.dtype))
 
 
 def paged_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -66,8 +67,8 @@ def _gather(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata):
     t, hq, d = q.shape
     bsz = meta.block_tables.shape[0]
     hkv = cache.shape[3]
-    keys = cache[0][meta.block_tables].view(bsz, -1, hkv, d)[:, : meta.k_max]
-    values = cache[1][meta.block_tables].view(bsz, -1, hkv, d)[:, : meta.k_max]
+    keys = cache[0][meta.block_tables].view(bsz, -1, hkv, d)[:, : meta.k_max].to(q.dtype)
+    values = cache[1][meta.block_tables].view(bsz, -1, hkv, d)[:, : meta.k_max].to(q.dtype)
     if meta.pad_index is None:
         qp = q.view(bsz, meta.q_max, hq, d)
     else:

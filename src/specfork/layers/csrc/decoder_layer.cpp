@@ -34,7 +34,9 @@ torch::Tensor decoder_layer_decode(const torch::Tensor& x, const torch::Tensor& 
                                    int64_t num_heads, int64_t num_kv_heads, double eps, double scale) {
   TORCH_CHECK(weights.size() == 18 && formats.size() == 8, "decoder_layer_decode: 2 norms + 4 projections");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be [T, H] float32");
-  TORCH_CHECK(cache.dim() == 5 && cache.is_contiguous() && cache.scalar_type() == torch::kFloat32, "bad cache");
+  TORCH_CHECK(cache.dim() == 5 && cache.is_contiguous() &&
+                  (cache.scalar_type() == torch::kFloat32 || cache.scalar_type() == torch::kHalf),
+              "bad cache");
   const int64_t T = x.size(0), D = cache.size(4), Hq = num_heads, Hkv = num_kv_heads;
   TORCH_CHECK(cache.size(3) == Hkv && D % 2 == 0, "cache shape disagrees with the heads");
   const auto cos = cos_in.contiguous(), sin = sin_in.contiguous(), slots = slot_mapping_in.contiguous();
@@ -64,15 +66,27 @@ torch::Tensor decoder_layer_decode(const torch::Tensor& x, const torch::Tensor& 
       }
     }
   }
-  // new keys and values into their cache slots
+  // new keys and values into their cache slots (rounded to nearest-even for a float16 cache, as
+  // Tensor.to(float16) rounds on the module path)
   const int64_t slots_total = cache.size(1) * cache.size(2);
-  float* kc = cache.data_ptr<float>();
-  float* vc = kc + slots_total * Hkv * D;
   const int64_t* slot = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) {
+  for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(slot[t] >= 0 && slot[t] < slots_total, "cache slot out of range");
-    std::memcpy(kc + slot[t] * Hkv * D, qp + t * width + Hq * D, Hkv * D * sizeof(float));
-    std::memcpy(vc + slot[t] * Hkv * D, qp + t * width + (Hq + Hkv) * D, Hkv * D * sizeof(float));
+  if (cache.scalar_type() == torch::kFloat32) {
+    float* kc = cache.data_ptr<float>();
+    float* vc = kc + slots_total * Hkv * D;
+    for (int64_t t = 0; t < T; ++t) {
+      std::memcpy(kc + slot[t] * Hkv * D, qp + t * width + Hq * D, Hkv * D * sizeof(float));
+      std::memcpy(vc + slot[t] * Hkv * D, qp + t * width + (Hq + Hkv) * D, Hkv * D * sizeof(float));
+    }
+  } else {
+    at::Half* kc = cache.data_ptr<at::Half>();
+    at::Half* vc = kc + slots_total * Hkv * D;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t i = 0; i < Hkv * D; ++i) {
+        kc[slot[t] * Hkv * D + i] = static_cast<at::Half>(qp[t * width + Hq * D + i]);
+        vc[slot[t] * Hkv * D + i] = static_cast<at::Half>(qp[t * width + (Hq + Hkv) * D + i]);
+      }
   }
   const auto q = qkv.view({T, Hq + 2 * Hkv, D}).narrow(1, 0, Hq);
   const auto attn = paged_attention_decode(q, cache, block_tables, seq_of, pos_of, scale).view({T, Hq * D});

@@ -16,7 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <vector>
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -92,16 +92,46 @@ struct Item {
   int64_t t, kvh, first, last;  // query, KV head, keys [first, last)
 };
 
+// A cache row as float32: itself for a float32 cache, converted (exactly) into buf for float16.
+inline const float* as_float(const float* row, int64_t, float*) { return row; }
+inline const float* as_float(const at::Half* row, int64_t n, float* buf) {
+  int64_t d = 0;
+#if defined(__F16C__)
+  for (; d + 8 <= n; d += 8)
+    _mm256_storeu_ps(buf + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d))));
+#endif
+  for (; d < n; ++d) buf[d] = static_cast<float>(row[d]);
+  return buf;
+}
+
+}  // namespace
+
+namespace {
+
+template <typename Elem>
+torch::Tensor attend(const torch::Tensor& q_in, const torch::Tensor& cache, const torch::Tensor& block_tables,
+                     const torch::Tensor& seq_of, const torch::Tensor& pos_of, double scale);
+
 }  // namespace
 
 torch::Tensor paged_attention_decode(const torch::Tensor& q_in,         // [T, Hq, D] float32
-                                     const torch::Tensor& cache,        // [2, blocks, bs, Hkv, D]
+                                     const torch::Tensor& cache,        // [2, blocks, bs, Hkv, D] float32 or float16
                                      const torch::Tensor& block_tables, // [B, max_blocks] int64
                                      const torch::Tensor& seq_of,       // [T] int64
                                      const torch::Tensor& pos_of,       // [T] int64
                                      double scale) {
   TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == torch::kFloat32, "q must be [T, Hq, D] float32");
-  TORCH_CHECK(cache.dim() == 5 && cache.scalar_type() == torch::kFloat32 && cache.is_contiguous(), "bad cache");
+  TORCH_CHECK(cache.dim() == 5 && cache.is_contiguous(), "bad cache");
+  if (cache.scalar_type() == torch::kHalf) return attend<at::Half>(q_in, cache, block_tables, seq_of, pos_of, scale);
+  TORCH_CHECK(cache.scalar_type() == torch::kFloat32, "the KV cache must be float32 or float16");
+  return attend<float>(q_in, cache, block_tables, seq_of, pos_of, scale);
+}
+
+namespace {
+
+template <typename Elem>
+torch::Tensor attend(const torch::Tensor& q_in, const torch::Tensor& cache, const torch::Tensor& block_tables,
+                     const torch::Tensor& seq_of, const torch::Tensor& pos_of, double scale) {
   const auto q = q_in.contiguous();
   const auto tables = block_tables.contiguous();
   const auto seqs = seq_of.contiguous();
@@ -112,8 +142,8 @@ torch::Tensor paged_attention_decode(const torch::Tensor& q_in,         // [T, H
   const int64_t group = Hq / Hkv, max_blocks = tables.size(1);
   auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
-  const float* kp = cache.data_ptr<float>();
-  const float* vp = kp + num_blocks * bs * Hkv * D;
+  const Elem* kp = cache.data_ptr<Elem>();
+  const Elem* vp = kp + num_blocks * bs * Hkv * D;
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* sp = seqs.data_ptr<int64_t>();
   const int64_t* pp = poss.data_ptr<int64_t>();
@@ -136,6 +166,7 @@ torch::Tensor paged_attention_decode(const torch::Tensor& q_in,         // [T, H
 
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores(group * kChunk);
+    std::vector<float> row(D);  // a float16 cache row converted
     for (int64_t i = i0; i < i1; ++i) {
       const Item& it = items[i];
       const int64_t* table = tp + sp[it.t] * max_blocks;
@@ -143,7 +174,7 @@ torch::Tensor paged_attention_decode(const torch::Tensor& q_in,         // [T, H
       const float* qh = qp + (it.t * Hq + it.kvh * group) * D;
       for (int64_t j = 0; j < len; ++j) {  // scores of every head of the group, each key read once
         const int64_t key = it.first + j;
-        const float* kv = kp + ((table[key / bs] * bs + key % bs) * Hkv + it.kvh) * D;
+        const float* kv = as_float(kp + ((table[key / bs] * bs + key % bs) * Hkv + it.kvh) * D, D, row.data());
         for (int64_t g = 0; g < group; ++g) scores[g * kChunk + j] = dot(qh + g * D, kv, D) * fscale;
       }
       for (int64_t g = 0; g < group; ++g) {
@@ -157,7 +188,7 @@ torch::Tensor paged_attention_decode(const torch::Tensor& q_in,         // [T, H
       }
       for (int64_t j = 0; j < len; ++j) {  // weighted values, each value read once
         const int64_t key = it.first + j;
-        const float* vv = vp + ((table[key / bs] * bs + key % bs) * Hkv + it.kvh) * D;
+        const float* vv = as_float(vp + ((table[key / bs] * bs + key % bs) * Hkv + it.kvh) * D, D, row.data());
         for (int64_t g = 0; g < group; ++g) {
           const float p = scores[g * kChunk + j];
           float* o = partial.data() + (i * group + g) * stride + 2;
@@ -191,3 +222,5 @@ torch::Tensor paged_attention_decode(const torch::Tensor& q_in,         // [T, H
   }
   return out;
 }
+
+}  // namespace
