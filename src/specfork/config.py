@@ -64,9 +64,9 @@ class Config:
                           "measured at start-up and the acceptance observed while generating "
                           "(speculative/auto_k.py); the choice and its reasons are reported",
                           parse=int_or_auto, group=SPECULATIVE)
-    draft_confidence: float = option(0.0, "EAGLE-3 head: end a round's chain early when the head's probability "
-                                     "of the whole chain falls below this (0: always draft --k tokens)",
-                                     group=SPECULATIVE)
+    draft_confidence: float = option(0.0, "SD with an EAGLE-3 head: end a round's chain early when the head's "
+                                     "probability of the whole chain falls below this (0: always draft --k tokens; "
+                                     "SSD's branches always have --k)", group=SPECULATIVE)
     ngram_min: int = option(1, "shortest n-gram matched by --drafter ngram", group=SPECULATIVE)
     ngram_max: int = option(4, "longest n-gram matched by --drafter ngram", group=SPECULATIVE)
     deterministic: bool = option(False, "batch-invariant kernels: greedy SD/SSD output is bit-identical to AR "
