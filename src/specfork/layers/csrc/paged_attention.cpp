@@ -67,6 +67,29 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
   return ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
 }
 
+// dot() of a with four rows b[0..3] at once: the same per-row order (8 lanes over d, then the same
+// tree), so each result is bit-identical to dot(a, b[u], n); four independent chains instead of one.
+inline void dot4(const float* __restrict a, const float* const* b, int64_t n, float* out) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (n % 8 == 0) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+    for (int64_t d = 0; d < n; d += 8) {
+      const __m256 x = _mm256_loadu_ps(a + d);
+      acc0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b[0] + d), acc0);
+      acc1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b[1] + d), acc1);
+      acc2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b[2] + d), acc2);
+      acc3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b[3] + d), acc3);
+    }
+    out[0] = hsum(acc0);
+    out[1] = hsum(acc1);
+    out[2] = hsum(acc2);
+    out[3] = hsum(acc3);
+    return;
+  }
+#endif
+  for (int u = 0; u < 4; ++u) out[u] = dot(a, b[u], n);
+}
+
 // scores[j] = exp(scores[j] - mx) for j < n; returns their sum (8 lanes, then a fixed tree).
 inline float exp_and_sum(float* scores, int64_t n, float mx) {
   int64_t j = 0;
@@ -166,15 +189,28 @@ torch::Tensor attend(const torch::Tensor& q_in, const torch::Tensor& cache, cons
 
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores(group * kChunk);
-    std::vector<float> row(D);  // a float16 cache row converted
+    std::vector<float> row(4 * D);  // float16 key rows converted
+    std::vector<float> values(kChunk * D);  // float16 value rows converted
     for (int64_t i = i0; i < i1; ++i) {
       const Item& it = items[i];
       const int64_t* table = tp + sp[it.t] * max_blocks;
       const int64_t len = it.last - it.first;
       const float* qh = qp + (it.t * Hq + it.kvh * group) * D;
-      for (int64_t j = 0; j < len; ++j) {  // scores of every head of the group, each key read once
-        const int64_t key = it.first + j;
-        const float* kv = as_float(kp + ((table[key / bs] * bs + key % bs) * Hkv + it.kvh) * D, D, row.data());
+      const auto key_row = [&](int64_t key, float* buf) {
+        return as_float(kp + ((table[key / bs] * bs + key % bs) * Hkv + it.kvh) * D, D, buf);
+      };
+      int64_t j = 0;
+      for (; j + 4 <= len; j += 4) {  // scores of every head of the group, each key read once, 4 keys at a time
+        const float* kv[4];
+        for (int u = 0; u < 4; ++u) kv[u] = key_row(it.first + j + u, row.data() + u * D);
+        float s4[4];
+        for (int64_t g = 0; g < group; ++g) {
+          dot4(qh + g * D, kv, D, s4);
+          for (int u = 0; u < 4; ++u) scores[g * kChunk + j + u] = s4[u] * fscale;
+        }
+      }
+      for (; j < len; ++j) {
+        const float* kv = key_row(it.first + j, row.data());
         for (int64_t g = 0; g < group; ++g) scores[g * kChunk + j] = dot(qh + g * D, kv, D) * fscale;
       }
       for (int64_t g = 0; g < group; ++g) {
@@ -186,9 +222,32 @@ torch::Tensor attend(const torch::Tensor& q_in, const torch::Tensor& cache, cons
         part[1] = exp_and_sum(s, len, mx);
         std::fill(part + 2, part + 2 + D, 0.f);
       }
-      for (int64_t j = 0; j < len; ++j) {  // weighted values, each value read once
+      // Weighted values: o[d] = fma(p_j, v_j[d], o[d]) over the keys in order, for every head of the group.
+      const auto value_row = [&](int64_t j) {
         const int64_t key = it.first + j;
-        const float* vv = as_float(vp + ((table[key / bs] * bs + key % bs) * Hkv + it.kvh) * D, D, row.data());
+        return as_float(vp + ((table[key / bs] * bs + key % bs) * Hkv + it.kvh) * D, D, values.data() + j * D);
+      };
+#if defined(__AVX2__) && defined(__FMA__)
+      if (D % 64 == 0) {  // each head's 64-wide block of o in 8 registers over all the keys
+        const float* vrow[kChunk];
+        for (int64_t j = 0; j < len; ++j) vrow[j] = value_row(j);
+        for (int64_t g = 0; g < group; ++g)
+          for (int64_t d0 = 0; d0 < D; d0 += 64) {
+            float* o = partial.data() + (i * group + g) * stride + 2 + d0;
+            __m256 acc[8];
+            for (int r = 0; r < 8; ++r) acc[r] = _mm256_loadu_ps(o + 8 * r);
+            for (int64_t j = 0; j < len; ++j) {
+              const __m256 p = _mm256_set1_ps(scores[g * kChunk + j]);
+              const float* v = vrow[j] + d0;
+              for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * r), acc[r]);
+            }
+            for (int r = 0; r < 8; ++r) _mm256_storeu_ps(o + 8 * r, acc[r]);
+          }
+        continue;
+      }
+#endif
+      for (int64_t j = 0; j < len; ++j) {  // each value read once
+        const float* vv = value_row(j);
         for (int64_t g = 0; g < group; ++g) {
           const float p = scores[g * kChunk + j];
           float* o = partial.data() + (i * group + g) * stride + 2;

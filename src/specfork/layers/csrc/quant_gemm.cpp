@@ -301,7 +301,9 @@ torch::Tensor quant_linear_impl(const torch::Tensor& x_in, const torch::Tensor& 
   int32_t* xqsum = xqsum_t.data_ptr<int32_t>();
   float* xscale = stats.data_ptr<float>();
   float* xsum = xscale + M * groups;
-  for (int64_t m = 0; m < M; ++m)
+  // Rows in parallel once there are many (batched decoding); each row's arithmetic is unchanged.
+  at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
+  for (int64_t m = m0; m < m1; ++m)
     for (int64_t g = 0; g < groups; ++g) {
       const float* xg = xp + m * K + g * group;
       float amax = 0.0f, total = 0.0f;
@@ -322,6 +324,7 @@ torch::Tensor quant_linear_impl(const torch::Tensor& x_in, const torch::Tensor& 
       xscale[m * groups + g] = finite ? amax / kInt16Max : std::numeric_limits<float>::quiet_NaN();
       xsum[m * groups + g] = total;
     }
+  });
   const Gemm gemm{xq, xqsum, xscale, xsum, M, K, groups, group, units.data_ptr<uint8_t>(), scales.data_ptr<float>(),
                   offsets.data_ptr<float>(), y.data_ptr<float>(), n_out, bp, format};
   at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) { run_isa(isa, gemm, t0, t1); });
