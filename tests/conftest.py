@@ -1,5 +1,6 @@
 """Shared fixtures and hooks: the tiny random HF checkpoints of `builders.py` (built once per
-session), CUDA skips, and the process's cores and threads restored after every test."""
+session), transformers' model of the embedded GGUF, CUDA skips, and the process's cores and
+threads restored after every test."""
 
 from __future__ import annotations
 
@@ -19,6 +20,17 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, TinyCheckpoint]:
 def tiny_checkpoint(request, tiny_checkpoints) -> TinyCheckpoint:
     """Parametrized over every tiny checkpoint."""
     return tiny_checkpoints[request.param]
+
+
+@pytest.fixture(scope="session")
+def embedded_hf_model():
+    """transformers' fp32 model of the embedded GGUF (the reference), loaded once per session."""
+    from transformers import AutoModelForCausalLM
+
+    from specfork.loading.resolve import resolve_checkpoint
+
+    path = resolve_checkpoint("smollm2-135m").path
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
 
 
 def pytest_collection_modifyitems(config, items):

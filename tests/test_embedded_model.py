@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import assert_greedy_match, humaneval_prompts, max_abs_diff, prefill_logits
-from transformers import AutoModelForCausalLM
 
 from specfork import LLM, SamplingParams
 from specfork.loading.resolve import resolve_checkpoint
@@ -52,11 +51,8 @@ def llm(gguf_path):
 
 
 @pytest.fixture(scope="module")
-def hf_model(gguf_path):
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-    )
-    return model.eval()
+def hf_model(embedded_hf_model):
+    return embedded_hf_model
 
 
 @pytest.fixture(scope="module")

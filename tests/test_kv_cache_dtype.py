@@ -9,22 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import assert_greedy_match, humaneval_prompts, max_abs_diff, prefill_logits
-from transformers import AutoModelForCausalLM
 
 from specfork import LLM, SamplingParams
 from specfork.errors import SpecforkError
-from specfork.loading.resolve import resolve_checkpoint
 
 TOLERANCE = 2e-3  # of the largest reference logit; measured <= 8.6e-4 (the float32 cache: 2.7e-4)
 
 
-@pytest.fixture(scope="module")
-def hf_model():
-    path = resolve_checkpoint("smollm2-135m").path
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-
-
-def test_float16_kv_cache_stays_within_its_tolerance_of_transformers(hf_model):
+def test_float16_kv_cache_stays_within_its_tolerance_of_transformers(embedded_hf_model):
+    hf_model = embedded_hf_model
     llm = LLM(kv_cache_dtype="float16")
     assert all(c.dtype == torch.float16 for c in llm.engine.runner.kv_caches)
     prompts = [llm.engine.encode_chat([{"role": "user", "content": "Explain what a hash table is."}]),

@@ -112,7 +112,9 @@ def test_a_head_needs_the_fast_tree_backend(models):
         LLM(models["target"], mode="ssd", draft=models["draft"], tree_backend="sdpa")
 
 
-@pytest.mark.parametrize("backup, setting", [("jit", "temperature"), ("fast", "top-p"), ("jit", "top-k")])
+@pytest.mark.parametrize("backup, setting", [  # the default run keeps one; `-m slow` runs the others
+    ("jit", "temperature"), pytest.param("fast", "top-p", marks=pytest.mark.slow),
+    pytest.param("jit", "top-k", marks=pytest.mark.slow)])
 def test_ssd_with_a_reduced_vocabulary_head_is_lossless(models, backup, setting):
     params_kw = SETTINGS[setting]
     joint = exact_joint(models["hf_target"], SamplingParams(**params_kw), NUM_TOKENS)
