@@ -129,8 +129,9 @@ def config_arch(path):
 def test_a_head_for_another_target_is_refused(tiny_target, tiny_checkpoints, tmp_path):
     other = tiny_checkpoints["qwen3-qknorm-tied"].path  # hidden 64 but 2 layers: layers 2 and -1 do not exist
     write_tiny_head(tmp_path / "head", tiny_target, draft_ids=list(range(64)))
-    with pytest.raises(SpecforkError, match="target layers"):
-        LLM(str(other), mode="sd", draft=str(tmp_path / "head"))
+    for mode in ("sd", "ssd"):  # SSD refuses it before its drafter process starts loading
+        with pytest.raises(SpecforkError, match="target layers"):
+            LLM(str(other), mode=mode, draft=str(tmp_path / "head"))
     from specfork.layers.cpu_kernels import kernels
     from specfork.layers.quantized import QuantizedLinear
 

@@ -178,14 +178,11 @@ def save_eagle3(directory: Path, config: Eagle3Config, tensors: dict[str, torch.
     (directory / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
 
 
-def load_eagle3_head(directory: Path, target, *, device: torch.device, quantize_group: int | None = None):
-    """The head in ``directory`` for ``target`` (a LoadedModel): it shares the target's
-    embedding (unless the checkpoint stores its own) and runs in the target's dtype; with
-    ``quantize_group`` its projections run the native int4 kernel (CPU float32)."""
-    from specfork.models.eagle3 import Eagle3Head
-
+def check_eagle3_head(directory: Path, target_arch) -> Eagle3Config:
+    """The head's config, after refusing a head that was not made for a target of ``target_arch``
+    (its vocabulary, hidden size and feature layers); reads no weights."""
     config = read_eagle3_config(directory)
-    t = target.arch
+    t = target_arch
     if config.arch.vocab_size != t.vocab_size:
         raise ModelLoadError(f"EAGLE-3 head {directory} is for a vocabulary of {config.arch.vocab_size} tokens, the "
                              f"target has {t.vocab_size}")
@@ -193,6 +190,16 @@ def load_eagle3_head(directory: Path, target, *, device: torch.device, quantize_
         raise ModelLoadError(f"EAGLE-3 head {directory} is for a target of hidden size {config.target_hidden_size}, "
                              f"the target has {t.hidden_size}")
     config.layers_for(t.num_layers)
+    return config
+
+
+def load_eagle3_head(directory: Path, target, *, device: torch.device, quantize_group: int | None = None):
+    """The head in ``directory`` for ``target`` (a LoadedModel): it shares the target's
+    embedding (unless the checkpoint stores its own) and runs in the target's dtype; with
+    ``quantize_group`` its projections run the native int4 kernel (CPU float32)."""
+    from specfork.models.eagle3 import Eagle3Head
+
+    config = check_eagle3_head(directory, target.arch)
     tensors = load_eagle3_tensors(directory)
     draft_ids = draft_to_target(tensors, config)
     dtype = target.model.embed_tokens.weight.dtype

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from specfork.engine.llm_engine import LLMEngine
 from specfork.errors import SpecforkError
-from specfork.loading.eagle3 import read_eagle3_config
+from specfork.loading.eagle3 import check_eagle3_head
 from specfork.speculative.draft_loading import (
     check_draft_vocabulary,
     draft_spec,
@@ -81,7 +81,7 @@ def build_ssd_step(engine: LLMEngine, drafter=None) -> SpeculativeStep:
         if config.tree_backend != "fast":
             raise SpecforkError(f"--tree-backend {config.tree_backend} runs draft models only; an EAGLE-3 head "
                                 "pre-drafts with --tree-backend fast")
-        head = read_eagle3_config(Path(spec.path))
+        head = check_eagle3_head(Path(spec.path), engine.loaded.arch)  # before the drafter process loads it
     else:
         check_draft_vocabulary(spec, engine.loaded)
     target_cores, drafter_cores = split_cores(config)

@@ -74,7 +74,6 @@ class TrunkState(DraftState):
         self.history.extend(new_tokens)
         self.keep(min(old + agree, len(self.history) - 1))
 
-
     def draftable(self) -> bool:
         """Whether the drafter can draft for this sequence now (a draft model always can)."""
         return True
