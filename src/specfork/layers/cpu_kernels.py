@@ -91,6 +91,6 @@ def _import(module_name: str, library: Path):
 
 def instruction_set() -> str:
     """The instruction set the native quantised kernels use on this CPU (the best it runs), or
-    "none" without native kernels."""
+    "none (PyTorch ops)" without native kernels."""
     k = kernels()
     return "none (PyTorch ops)" if k is None else k.kernel_isa()

@@ -130,9 +130,8 @@ class SSDProposer:
     # -- Proposer -------------------------------------------------------------------------
 
     def observe_features(self, seq: Sequence, first_position: int, features: torch.Tensor) -> None:
-        if self.drafter is not None:
-            first, rows = self._features.setdefault(seq.seq_id, (first_position, []))
-            rows.append(features)
+        if self.drafter is not None:  # the first position of a run is kept; later rows follow it
+            self._features.setdefault(seq.seq_id, (first_position, []))[1].append(features)
         if self.fallback is not None:
             self.fallback.observe_features(seq, first_position, features)
 
