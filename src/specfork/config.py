@@ -11,6 +11,7 @@ from specfork.options import int_or_auto, option, seconds_or_auto
 DEFAULT_MODEL = "smollm2-135m"
 DTYPES = ("float32", "bfloat16", "float16")
 KV_DTYPES = ("float32", "float16")
+DIST_LAUNCHES = ("local", "torchrun")
 MODES = ("ar", "sd", "ssd")
 SSD_BACKUPS = ("jit", "fast")
 TREE_BACKENDS = ("sdpa", "fast")
@@ -47,7 +48,19 @@ class Config:
                                          "in chunks", group=ENGINE)
     max_model_len: int | None = option(None, "longest prompt + output (default: the model's context length, "
                                        "capped by the KV cache)", group=ENGINE)
-    threads: int | None = option(None, "CPU threads for torch (default: torch's choice)", group=ENGINE)
+    threads: int | None = option(None, "CPU threads for torch, per tensor-parallel rank (default: torch's choice; "
+                                 "with --tensor-parallel-size N, the available cores / N)", group=ENGINE)
+    tensor_parallel_size: int = option(1, "split the model over N ranks (torch.distributed: gloo on CPU, NCCL on "
+                                       "CUDA): attention heads, the KV cache and the MLP split, one all-reduce "
+                                       "after each; rank 0 schedules and samples, the others run their shards "
+                                       "(see --distributed-launch)", group=ENGINE)
+    distributed_launch: str = option("local", "local: the engine starts ranks 1..N-1 on this host; torchrun: this "
+                                     "process is one rank of a group torchrun started (several hosts: torchrun "
+                                     "--nnodes ... -m specfork generate ... on each); rank 0 runs the command, the "
+                                     "others serve forwards and exit when it is done",
+                                     choices=DIST_LAUNCHES, group=ENGINE)
+    dist_timeout_s: float = option(120.0, "seconds a tensor-parallel rank may go without answering before the "
+                                   "run ends with an error", flag="--dist-timeout", group=ENGINE)
     seed: int = option(0, "the engine's seed, the same in every command: each request samples with a generator "
                        "derived from it and the request's position, so a run is reproducible", group=ENGINE)
     mode: str = option("ar", "ar: autoregressive; sd: speculative decoding (a drafter proposes --k tokens, the "
@@ -125,6 +138,13 @@ class Config:
             _positive("max_model_len", self.max_model_len)
         if self.threads is not None:
             _positive("threads", self.threads)
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.distributed_launch not in DIST_LAUNCHES:
+            raise SpecforkError(f"distributed_launch must be one of {', '.join(DIST_LAUNCHES)}, "
+                                f"got {self.distributed_launch!r}")
+        if isinstance(self.dist_timeout_s, bool) or not isinstance(self.dist_timeout_s, (int, float)) \
+                or not self.dist_timeout_s > 0:
+            raise SpecforkError(f"dist_timeout_s must be > 0, got {self.dist_timeout_s!r}")
         if self.mode not in MODES:
             raise SpecforkError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.drafter not in DRAFTERS:

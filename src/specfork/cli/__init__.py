@@ -12,7 +12,7 @@ import sys
 
 from specfork.cli import bench, bench_serve, build_kernels, export_gguf, generate, models, serve, train_draft
 from specfork.cli.parser import EXIT_BAD_INPUT, Parser
-from specfork.errors import SpecforkError
+from specfork.errors import EngineFailure, SpecforkError
 
 COMMANDS = {
     "generate": generate,
@@ -56,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     except SpecforkError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except EngineFailure as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -16,7 +16,7 @@ from specfork.engine.model_runner import ModelRunner
 from specfork.engine.scheduler import Scheduler
 from specfork.engine.sequence import Sequence
 from specfork.engine.step import AutoregressiveStep, NewTokens, Step, StepHealth
-from specfork.errors import PromptError, SpecforkError
+from specfork.errors import EngineFailure, PromptError, SpecforkError
 from specfork.layers.cpu_kernels import instruction_set
 from specfork.loading import LoadedModel, load_model
 from specfork.outputs import RequestOutput, TokenLogprob
@@ -51,16 +51,36 @@ class LLMEngine:
             raise SpecforkError("device 'cuda' was requested but CUDA is not available")
         self.device = torch.device(config.device)
         dtype = _DTYPES[config.torch_dtype_name]
+        num_blocks = config.num_kv_blocks or -(-config.kv_cache_tokens // config.block_size)
+        self.parallel = _start_parallel(config, num_blocks)
+        if self.parallel is None and config.tensor_parallel_size > 1:
+            # A torchrun rank other than 0: it served forwards until rank 0 finished.
+            raise SystemExit(0)
+        try:
+            self._build(config, build_step, dtype, num_blocks)
+        except BaseException:
+            if self.parallel:
+                self.parallel.close()
+            raise
+
+    def _build(self, config: Config, build_step, dtype: torch.dtype, num_blocks: int) -> None:
         requested_len = config.max_model_len
-        self.loaded: LoadedModel = load_model(
-            config.model, device=self.device, dtype=dtype, max_positions=requested_len, **config.load_options
-        )
+        try:
+            self.loaded: LoadedModel = load_model(
+                config.model, device=self.device, dtype=dtype, max_positions=requested_len, **config.load_options,
+                shard=self.parallel.shard if self.parallel else None,
+            )
+        except Exception as e:
+            if self.parallel:  # the other ranks wait for every rank's report
+                self.parallel.check_loaded(f"{type(e).__name__}: {e}")
+            raise
+        if self.parallel:
+            self.parallel.check_loaded(None)
         arch = self.loaded.arch
         if requested_len is not None and requested_len > arch.max_position_embeddings:
             raise SpecforkError(
                 f"max_model_len {requested_len} exceeds the model's context length {arch.max_position_embeddings}"
             )
-        num_blocks = config.num_kv_blocks or -(-config.kv_cache_tokens // config.block_size)
         self.runner = ModelRunner(
             self.loaded.model,
             num_blocks=num_blocks,
@@ -68,6 +88,7 @@ class LLMEngine:
             device=self.device,
             deterministic=config.deterministic,
             kv_dtype=getattr(torch, config.kv_cache_dtype) if config.kv_cache_dtype else None,
+            parallel=self.parallel,
         )
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(
@@ -83,9 +104,10 @@ class LLMEngine:
         self.eos_token_ids = frozenset(arch.eos_token_ids)
         self._ids = count()
         logger.info(
-            "loaded %s (%s, %d layers) on %s%s; KV cache %d blocks x %d tokens; max_model_len %d",
+            "loaded %s (%s, %d layers) on %s%s%s; KV cache %d blocks x %d tokens; max_model_len %d",
             self.loaded.location.path, arch.architecture, arch.num_layers, self.device,
             f" (native kernels: {instruction_set()})" if self.device.type == "cpu" else "",
+            f", tensor parallel over {self.parallel.size} ranks" if self.parallel else "",
             num_blocks, config.block_size, self.max_model_len,
         )
 
@@ -154,8 +176,11 @@ class LLMEngine:
         return seq
 
     def close(self) -> None:
-        """Release what the decoding step holds outside this process (e.g. a drafter process)."""
+        """Release what the engine holds outside this process (a drafter process, tensor-parallel
+        ranks)."""
         self.step_strategy.close()
+        if self.parallel:
+            self.parallel.close()
 
     def health(self) -> StepHealth:
         """How the decoding step's helpers are doing (an SSD drafter that failed: degraded)."""
@@ -187,6 +212,8 @@ class LLMEngine:
             return []
         try:
             produced = self.step_strategy.execute(batch)
+        except EngineFailure:
+            raise
         except Exception:
             logger.exception("running a batch of %d sequences failed; failing them", len(batch.seqs))
             return [self._fail(seq, "the batch this request ran in failed") for seq in batch.seqs]
@@ -279,6 +306,25 @@ class LLMEngine:
             "num_preemptions": seq.num_preemptions,
             **{k: v for stat in seq.stats.values() for k, v in stat.as_metrics().items()},
         }
+
+
+def _start_parallel(config: Config, num_blocks: int):
+    """The tensor-parallel group (None for one rank, and on a torchrun rank other than 0 once it
+    is done serving); the other ranks load while rank 0 does."""
+    if config.tensor_parallel_size == 1:
+        return None
+    import os
+
+    from specfork.parallel.group import ShardLaunch, start_group
+
+    threads = config.threads or max(1, len(os.sched_getaffinity(0)) // config.tensor_parallel_size)
+    torch.set_num_threads(threads)
+    launch = ShardLaunch(
+        model=config.model, device=config.device, dtype=config.torch_dtype_name, max_positions=config.max_model_len,
+        load_options=config.load_options, num_blocks=num_blocks, block_size=config.block_size,
+        kv_dtype=config.kv_cache_dtype, deterministic=config.deterministic, threads=threads,
+    )
+    return start_group(config.tensor_parallel_size, launch, config.dist_timeout_s, config.distributed_launch)
 
 
 def _first_stop(text: str, stops: tuple[str, ...]) -> int:

@@ -23,12 +23,16 @@ class ModelRunner:
         device: torch.device,
         deterministic: bool = False,
         kv_dtype: torch.dtype | None = None,
+        parallel=None,
     ) -> None:
-        """``deterministic``: decode and verify steps use batch-invariant kernels, so a token's
+        """``parallel``: the tensor-parallel group (parallel/group.py) when ``model`` is rank 0's
+        shard; every forward's inputs then go to the other ranks first.
+        ``deterministic``: decode and verify steps use batch-invariant kernels, so a token's
         logits do not depend on how many tokens or sequences share its forward pass.
         ``kv_dtype``: the KV cache's element type (default: the model's)."""
         cfg = model.config
         self.model = model
+        self.parallel = parallel
         self.deterministic = deterministic
         set_batch_invariant(model, deterministic)
         dtype = model.embed_tokens.weight.dtype
@@ -171,6 +175,8 @@ class ModelRunner:
         return self._logits(self._run(ids, pos, meta), logits_rows)
 
     def _run(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.parallel is not None:
+            self.parallel.broadcast_forward(ids, pos, meta)
         if not self.feature_layers:
             return self.model(ids, pos, self.kv_caches, meta)
         hidden, self.features = self.model(ids, pos, self.kv_caches, meta, self.feature_layers)

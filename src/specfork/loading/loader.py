@@ -13,6 +13,7 @@ from specfork.loading.resolve import CheckpointFormat, CheckpointLocation, resol
 from specfork.loading.tokenizer import Tokenizer, load_gguf_tokenizer, load_hf_tokenizer
 from specfork.models.config import ModelArchConfig
 from specfork.models.llama import LlamaForCausalLM
+from specfork.parallel.shard import TensorShard
 
 logger = logging.getLogger(__name__)
 
@@ -47,17 +48,20 @@ def load_model(
     weights: str = "fp32",
     quantize_group: int | None = None,
     with_tokenizer: bool = True,
+    shard: TensorShard | None = None,
 ) -> LoadedModel:
     """Load ``model`` (alias, HF dir or GGUF file) onto ``device`` in ``dtype``.
 
     ``weights``: "native" keeps a GGUF's Q4_0/Q4_1/Q8_0 matrices quantised (run by the native
     kernel on CPU in float32); "fp32" dequantises everything at load. ``quantize_group``
     quantises the projection matrices of an HF checkpoint to 4 bits in groups of that many inputs.
-    ``with_tokenizer=False`` skips the tokenizer (a drafter that only sees token ids).
+    ``with_tokenizer=False`` skips the tokenizer (a drafter that only sees token ids). ``shard``:
+    build only that tensor-parallel rank's part of the model (``LoadedModel.arch`` stays the
+    whole model's; ``model.config`` counts the shard's heads).
     """
     with _one_thread():
         return _load(model, device=device, dtype=dtype, max_positions=max_positions, weights=weights,
-                     quantize_group=quantize_group, with_tokenizer=with_tokenizer)
+                     quantize_group=quantize_group, with_tokenizer=with_tokenizer, shard=shard)
 
 
 @dataclass
@@ -92,7 +96,7 @@ def _read(location: CheckpointLocation, *, with_tokenizer: bool, native: bool):
 
 
 def _load(model: str, *, device: torch.device, dtype: torch.dtype, max_positions: int | None, weights: str,
-          quantize_group: int | None, with_tokenizer: bool) -> LoadedModel:
+          quantize_group: int | None, with_tokenizer: bool, shard: TensorShard | None = None) -> LoadedModel:
     location, arch, tokenizer, read_tensors = _read(
         resolve_checkpoint(model), with_tokenizer=with_tokenizer, native=weights == "native"
     )
@@ -114,11 +118,14 @@ def _load(model: str, *, device: torch.device, dtype: torch.dtype, max_positions
         return None if t is None else t.to(device=device, dtype=dtype)
 
     positions = max_positions or arch.max_position_embeddings
+    built, reduce = arch, None
+    if shard is not None:
+        built, take, reduce = shard.local_arch(arch), shard.source(take, arch), shard.reduce
     try:
-        net = LlamaForCausalLM(arch, take, positions).to(device)
+        net = LlamaForCausalLM(built, take, positions, reduce).to(device)
     except RuntimeError as e:  # shape mismatches between config and tensors
         raise ModelLoadError(f"{location.path}: tensors do not match the config: {e}") from None
-    _check_shapes(net, arch, location)
+    _check_shapes(net, built, location)
     leftover = [n for n in tensors if not n.endswith("rotary_emb.inv_freq")]
     if leftover:
         logger.warning("ignored %d unexpected tensors, e.g. %s", len(leftover), leftover[:3])

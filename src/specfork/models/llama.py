@@ -24,11 +24,14 @@ from specfork.layers.rotary import RopeTables, RotaryEmbedding
 from specfork.models.config import ModelArchConfig
 
 WeightSource = Callable[[str], torch.Tensor | QuantizedWeight | None]
+# Sums the partial outputs of a row-parallel projection (o, down) over tensor-parallel ranks.
+Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, take: WeightSource, prefix: str) -> None:
+    def __init__(self, cfg: ModelArchConfig, take: WeightSource, prefix: str, reduce: Reduce | None = None) -> None:
         super().__init__()
+        self.reduce = reduce
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -53,13 +56,14 @@ class Attention(nn.Module):
         qk = rope.apply(qk)  # q and k heads rotated in one pass
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         write_kv(cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, cache, meta, self.scale)
-        return self.o_proj(out.reshape(t, self.q_size))
+        out = self.o_proj(paged_attention(q, cache, meta, self.scale).reshape(t, self.q_size))
+        return out if self.reduce is None else self.reduce(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, take: WeightSource, prefix: str) -> None:
+    def __init__(self, take: WeightSource, prefix: str, reduce: Reduce | None = None) -> None:
         super().__init__()
+        self.reduce = reduce
         gate, up = need(take, f"{prefix}.gate_proj.weight"), need(take, f"{prefix}.up_proj.weight")
         self.intermediate = gate.shape[0]
         self.gate_up_proj = make_linear(torch.cat([gate, up]))
@@ -67,21 +71,24 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        return out if self.reduce is None else self.reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, take: WeightSource, prefix: str) -> None:
+    def __init__(self, cfg: ModelArchConfig, take: WeightSource, prefix: str, reduce: Reduce | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(need(take, f"{prefix}.input_layernorm.weight"), cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, take, f"{prefix}.self_attn")
+        self.self_attn = Attention(cfg, take, f"{prefix}.self_attn", reduce)
         self.post_attention_layernorm = RMSNorm(
             need(take, f"{prefix}.post_attention_layernorm.weight"), cfg.rms_norm_eps
         )
-        self.mlp = MLP(take, f"{prefix}.mlp")
+        self.mlp = MLP(take, f"{prefix}.mlp", reduce)
         attn = self.self_attn
-        self.fused_decode = None  # one native call for decode/verify steps (layers/fused_layer.py)
-        if attn.q_norm is None:
+        # One native call for decode/verify steps (layers/fused_layer.py); not for a tensor-parallel
+        # shard, whose partial sums meet between the projections.
+        self.fused_decode = None
+        if attn.q_norm is None and reduce is None:
             self.fused_decode = fuse_decoder_layer(
                 self.input_layernorm, (attn.qkv_proj, attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj),
                 self.post_attention_layernorm, attn.num_heads, attn.num_kv_heads, attn.scale,
@@ -95,14 +102,18 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Embedding → N decoder layers → final norm → LM head (tied or not)."""
+    """Embedding → N decoder layers → final norm → LM head (tied or not).
 
-    def __init__(self, cfg: ModelArchConfig, take: WeightSource, max_positions: int) -> None:
+    ``reduce``: the model is one tensor-parallel shard (``cfg`` counts this shard's heads and
+    units; parallel/shard.py) and ``reduce`` sums o's and down's partial outputs over the shards."""
+
+    def __init__(self, cfg: ModelArchConfig, take: WeightSource, max_positions: int,
+                 reduce: Reduce | None = None) -> None:
         super().__init__()
         self.config = cfg
         embed = need(take, "model.embed_tokens.weight")
         self.embed_tokens = nn.Embedding.from_pretrained(dense(embed), freeze=True)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, take, f"model.layers.{i}") for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, take, f"model.layers.{i}", reduce) for i in range(cfg.num_layers))
         self.norm = RMSNorm(need(take, "model.norm.weight"), cfg.rms_norm_eps)
         head = take("lm_head.weight")
         if head is None:

@@ -1,0 +1,176 @@
+"""Tensor parallelism over torch.distributed (gloo, 2 processes on this CPU).
+
+TP = 2 must compute what TP = 1 computes (up to the order of the all-reduced sums: stated
+tolerances), keep speculative decoding exact (greedy SD/SSD = AR on the same TP layout, bit for
+bit in deterministic mode; the chi-square test at temperature), and end cleanly when a rank
+dies or hangs: a clear error, no process left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from eagle3_heads import head_models
+from helpers import assert_greedy_match, max_abs_diff, prefill_logits
+from lossless import NUM_TOKENS, PROMPT, SETTINGS, check, exact_joint, ssd_models
+
+from specfork import LLM, SamplingParams
+from specfork.errors import EngineFailure, ModelLoadError
+from specfork.models.config import ModelArchConfig
+from specfork.parallel.shard import TensorShard
+
+pytestmark = pytest.mark.dist
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def _logits_and_greedy(llm, prompt, n):
+    """Prefill logits of ``prompt`` and the greedy continuation's tokens with their logits."""
+    prefill = prefill_logits(llm, prompt)
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))[0].token_ids
+    along = prefill_logits(llm, prompt + out[:-1])[len(prompt) - 1:]  # the rows each token was picked from
+    return prefill, out, along
+
+
+def _compare(tp1, tp2, prompt, n, rel_tol):
+    ref, ref_out, ref_along = _logits_and_greedy(tp1, prompt, n)
+    got, got_out, _ = _logits_and_greedy(tp2, prompt, n)
+    diff, scale = max_abs_diff(got, ref), float(ref.abs().max())
+    assert diff <= rel_tol * scale, f"TP=2 logits differ from TP=1 by {diff:.3e} (max |logit| {scale:.1f})"
+    assert_greedy_match(got_out, ref_out, ref_along, atol=rel_tol * scale, rtol=0.0, label="TP=2 vs TP=1")
+    return diff / scale
+
+
+def test_tp2_logits_equal_tp1_on_every_tiny_family(tiny_checkpoint):
+    """Llama (GQA, tied), Llama 3 with one KV head (replicated on both ranks), Qwen2 (q/k/v
+    biases split, untied head), Qwen3 (q/k norms). Float32: the sums differ in rounding only."""
+    prompt = [1, 5, 9, 13, 2, 7, 30, 31, 40, 41, 42]
+    with LLM(str(tiny_checkpoint.path)) as tp1, LLM(str(tiny_checkpoint.path), tensor_parallel_size=2) as tp2:
+        assert tp2.engine.runner.model.config.num_kv_heads <= tp1.engine.runner.model.config.num_kv_heads
+        _compare(tp1, tp2, prompt, 32, rel_tol=1e-5)
+
+
+def test_tp2_on_the_embedded_model():
+    """The GGUF's Q4_1 blocks split along their groups (SmolLM2: 9 query / 3 KV heads become 6/2 + 3/1).
+    The native kernel rounds each row's activations per call, so halving o's and down's inputs
+    moves logits by a few 1e-4 of their range: stated tolerance 1e-3 of max |logit|."""
+    prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3717, 282, 1456, 30, 2, 198]
+    with LLM(threads=1) as tp1, LLM(tensor_parallel_size=2, threads=1) as tp2:
+        heads = [tp2.engine.runner.model.config.num_heads, tp2.engine.runner.model.config.num_kv_heads]
+        assert heads == [6, 2]
+        rel = _compare(tp1, tp2, prompt, 48, rel_tol=1e-3)
+        assert rel > 0, "the two layouts cannot agree bit for bit: is the second one really split?"
+
+
+def test_shards_cover_every_head_and_unit_once():
+    arch = ModelArchConfig("llama", 100, 576, 1536, 2, 9, 3, 64, 1e-5, 1e4, 64, True)
+    for size in (1, 2, 3):
+        shards = [TensorShard(r, size, lambda t: t) for r in range(size)]
+        q = [h for s in shards for h in s.heads(arch)[0]]
+        kv = [h for s in shards for h in s.heads(arch)[1]]
+        units = [u for s in shards for u in s.units(arch)]
+        assert q == list(range(9)) and kv == list(range(3)) and units == list(range(1536))
+        assert all(len(s.units(arch)) % 128 == 0 for s in shards)  # GGUF blocks (32) never cut
+    mqa = ModelArchConfig("llama", 100, 64, 128, 2, 4, 1, 16, 1e-5, 1e4, 64, True)
+    assert [TensorShard(r, 2, None).heads(mqa) for r in range(2)] == [(range(0, 2), range(0, 1)),
+                                                                       (range(2, 4), range(0, 1))]
+    with pytest.raises(ModelLoadError, match="cannot split 4 query / 1 KV heads over 3"):
+        TensorShard(0, 3, None).heads(mqa)
+
+
+@pytest.fixture(scope="module")
+def head_pair(tmp_path_factory):
+    return head_models(tmp_path_factory.mktemp("tp_head"))
+
+
+@pytest.fixture(scope="module")
+def draft_pair(tmp_path_factory):
+    return ssd_models(tmp_path_factory.mktemp("tp_draft"))
+
+
+def test_tp2_speculative_decoding_equals_tp2_ar(head_pair, draft_pair):
+    """Deterministic mode, batch 1 and 4: SD with a draft model, SD with an EAGLE-3 head (its
+    features come from rank 0's residual stream, complete after each all-reduce) and SSD with
+    the head all give TP = 2 AR's tokens."""
+    prompts = [PROMPT, [2, 4], [6, 1, 1, 0, 3], [5]]
+    target = head_pair["target"]
+    assert draft_pair["target"].endswith("target")  # the same tiny target (seed 11) in both pairs
+    with LLM(target, tensor_parallel_size=2, deterministic=True) as ar:
+        expected = [o.token_ids for o in ar.generate(prompts, GREEDY)]
+    modes = [dict(mode="sd", draft=draft_pair["draft"], k=3), dict(mode="sd", draft=head_pair["draft"], k=4),
+             dict(mode="ssd", draft=head_pair["draft"], k=3, backup="fast")]
+    for options in modes:
+        with LLM(target, tensor_parallel_size=2, deterministic=True, **options) as llm:
+            for batch in ([prompts[0]], prompts):
+                outs = llm.generate(batch, GREEDY)
+                assert [o.token_ids for o in outs] == expected[: len(batch)], options
+            assert sum(o.metrics["draft_tokens_accepted"] for o in outs) > 0, options
+            assert llm.health().degraded is None, options
+
+
+def test_tp2_speculative_sampling_is_lossless(draft_pair):
+    """SD with TP = 2 at temperature 1: the chi-square test of the lossless suite."""
+    params_kw, n = SETTINGS["temperature"], 6000
+    joint = exact_joint(draft_pair["hf_target"], SamplingParams(**params_kw), NUM_TOKENS)
+    with LLM(draft_pair["target"], mode="sd", draft=draft_pair["draft"], k=3, max_num_seqs=512,
+             kv_cache_tokens=512 * 16, tensor_parallel_size=2) as llm:
+        params = [SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, seed=i, **params_kw) for i in range(n)]
+        outs = llm.generate([PROMPT] * n, params)
+    accepted = sum(o.metrics["draft_tokens_accepted"] for o in outs)
+    assert 0 < accepted < sum(o.metrics["draft_tokens_proposed"] for o in outs)
+    for name, (stat, dof, limit) in check([tuple(o.token_ids) for o in outs], joint).items():
+        assert stat < limit, f"{name}: chi2 {stat:.1f} >= {limit:.1f} (dof {dof})"
+
+
+def _gone(pid: int, within_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_killed_rank_ends_the_run_with_a_clear_error(draft_pair):
+    llm = LLM(draft_pair["target"], tensor_parallel_size=2)
+    worker = llm.engine.parallel.workers[0]
+    assert len(llm.generate([PROMPT], GREEDY)[0].token_ids) == GREEDY.max_tokens
+    os.kill(worker.pid, signal.SIGKILL)
+    for _ in range(2):  # the failure is remembered: no second attempt hangs
+        with pytest.raises(EngineFailure, match=rf"tensor-parallel rank 1 \(pid {worker.pid}\) exited with code -9"):
+            llm.generate([PROMPT], GREEDY)
+    llm.close()
+    assert _gone(worker.pid)
+
+
+def test_a_hung_rank_ends_the_run_after_the_timeout(draft_pair):
+    llm = LLM(draft_pair["target"], tensor_parallel_size=2, dist_timeout_s=2)
+    worker = llm.engine.parallel.workers[0]
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(EngineFailure, match="did not answer within 2 s"):
+            llm.generate([PROMPT], GREEDY)
+        assert time.monotonic() - started < 30
+    finally:
+        llm.close()
+    assert _gone(worker.pid)
+
+
+def test_ranks_leave_with_the_engine(draft_pair):
+    with LLM(draft_pair["target"], tensor_parallel_size=2) as llm:
+        pids = [w.pid for w in llm.engine.parallel.workers]
+        llm.generate([PROMPT], GREEDY)
+    assert all(_gone(pid) for pid in pids)
+
+
+def test_a_rank_that_cannot_load_is_reported(tmp_path, draft_pair):
+    """A checkpoint whose heads cannot be split: the error names the cause, every rank exits."""
+    with pytest.raises(ModelLoadError, match="cannot split 2 query / 1 KV heads over 3"):
+        LLM(draft_pair["target"], tensor_parallel_size=3)
+    assert torch.distributed.is_initialized() is False
