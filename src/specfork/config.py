@@ -100,6 +100,11 @@ class Config:
                                "kernel) or sdpa (reference, explicit tree mask)", choices=TREE_BACKENDS, group=SSD)
     drafter_device: str | None = option(None, "the drafter's device (default: the next GPU on CUDA, else the CPU)",
                                         group=SSD)
+    drafter_rank: int | None = option(None, "run the drafter as this rank of the torch.distributed world instead "
+                                      "of a local process: rank --tensor-parallel-size (the one after the "
+                                      "model's ranks), started here (--distributed-launch local) or by torchrun on "
+                                      "any host, on --drafter-device there. A rank that fails is not restarted: "
+                                      "drafting goes on in-process (default: a local process)", group=SSD)
     target_cores: str | None = option(None, "CPU cores of the target, e.g. 0 or 0-3 (default: the first half of "
                                       "the available cores)", group=SSD)
     draft_cores: str | None = option(None, "CPU cores of the drafter process (default: the other half)", group=SSD)
@@ -183,6 +188,12 @@ class Config:
             raise SpecforkError(f"saguaro_x (the Saguaro sampling coefficient C) must be in (0, 1], got {self.saguaro_x!r}")
         if self.drafter_device is not None and self.drafter_device.split(":")[0] not in ("cpu", "cuda"):
             raise SpecforkError(f"drafter_device must be 'cpu' or 'cuda[:N]', got {self.drafter_device!r}")
+        if self.drafter_rank is not None:
+            if self.mode != "ssd":
+                raise SpecforkError("drafter_rank places SSD's drafter; it needs mode 'ssd'")
+            if self.drafter_rank != self.tensor_parallel_size or isinstance(self.drafter_rank, bool):
+                raise SpecforkError(f"drafter_rank must be {self.tensor_parallel_size}, the rank after the model's "
+                                    f"{self.tensor_parallel_size} (tensor_parallel_size); got {self.drafter_rank!r}")
         for name in ("target_cores", "draft_cores"):
             if getattr(self, name) is not None:
                 parse_cores(getattr(self, name), name)

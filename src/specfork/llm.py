@@ -29,7 +29,7 @@ class LLM:
         if unknown:
             raise SpecforkError(f"unknown option(s) {', '.join(unknown)}; valid: {', '.join(sorted(_CONFIG_FIELDS))}")
         self.config = Config(model=model, **options)
-        build_step = None
+        build_step, extra_roles, drafter = None, (), None
         if self.config.mode == "sd":
             from specfork.speculative.factory import build_speculative_step
 
@@ -40,14 +40,20 @@ class LLM:
             from specfork.speculative.factory import build_ssd_step
             from specfork.speculative.ssd.transport import DrafterProcess
 
-            # The drafter's interpreter starts now and imports torch while the target loads; it
-            # is told what to load once the target is ready.
-            drafter = DrafterProcess()
+            if self.config.drafter_rank is not None:  # a rank of the world the engine starts
+                from specfork.parallel.world import RankRole
+                from specfork.speculative.ssd.worker import DRAFTER_ROLE
+
+                extra_roles = (RankRole(DRAFTER_ROLE),)
+            else:
+                # The drafter's interpreter starts now and imports torch while the target loads;
+                # it is told what to load once the target is ready.
+                drafter = DrafterProcess()
             build_step = partial(build_ssd_step, drafter=drafter)
         try:
-            self.engine = LLMEngine(self.config, build_step)
+            self.engine = LLMEngine(self.config, build_step, extra_roles)
         except BaseException:
-            if self.config.mode == "ssd":
+            if drafter is not None:
                 drafter.close()
             raise
 

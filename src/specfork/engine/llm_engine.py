@@ -42,8 +42,11 @@ class StepUpdate:
 
 
 class LLMEngine:
-    def __init__(self, config: Config, build_step: Callable[[LLMEngine], Step] | None = None) -> None:
-        """``build_step`` makes the decoding step from the engine's parts (default: AR)."""
+    def __init__(self, config: Config, build_step: Callable[[LLMEngine], Step] | None = None,
+                 extra_roles: tuple = ()) -> None:
+        """``build_step`` makes the decoding step from the engine's parts (default: AR).
+        ``extra_roles``: ranks the step needs in the torch.distributed world besides the model's
+        (parallel/world.py ``RankRole``s, e.g. SSD's drafter as a rank)."""
         self.config = config
         if config.threads is not None and config.device == "cpu":
             torch.set_num_threads(config.threads)
@@ -52,15 +55,16 @@ class LLMEngine:
         self.device = torch.device(config.device)
         dtype = _DTYPES[config.torch_dtype_name]
         num_blocks = config.num_kv_blocks or -(-config.kv_cache_tokens // config.block_size)
-        self.parallel = _start_parallel(config, num_blocks)
-        if self.parallel is None and config.tensor_parallel_size > 1:
-            # A torchrun rank other than 0: it served forwards until rank 0 finished.
-            raise SystemExit(0)
+        self.world = _start_world(config, num_blocks, extra_roles)
+        self.parallel = None
+        if config.tensor_parallel_size > 1:
+            from specfork.parallel.group import TensorParallelGroup
+
+            self.parallel = TensorParallelGroup(self.world)
         try:
             self._build(config, build_step, dtype, num_blocks)
         except BaseException:
-            if self.parallel:
-                self.parallel.close()
+            self._close_world()
             raise
 
     def _build(self, config: Config, build_step, dtype: torch.dtype, num_blocks: int) -> None:
@@ -179,8 +183,13 @@ class LLMEngine:
         """Release what the engine holds outside this process (a drafter process, tensor-parallel
         ranks)."""
         self.step_strategy.close()
+        self._close_world()
+
+    def _close_world(self) -> None:
         if self.parallel:
             self.parallel.close()
+        if self.world:
+            self.world.close()
 
     def health(self) -> StepHealth:
         """How the decoding step's helpers are doing (an SSD drafter that failed: degraded)."""
@@ -308,23 +317,30 @@ class LLMEngine:
         }
 
 
-def _start_parallel(config: Config, num_blocks: int):
-    """The tensor-parallel group (None for one rank, and on a torchrun rank other than 0 once it
-    is done serving); the other ranks load while rank 0 does."""
-    if config.tensor_parallel_size == 1:
+def _start_world(config: Config, num_blocks: int, extra_roles: tuple):
+    """The torch.distributed world (None when the engine needs no other rank): the model's
+    tensor-parallel shards on ranks 1..N-1, then ``extra_roles``. The other ranks load while rank
+    0 does. On a torchrun rank other than 0 its role runs here, and the process then ends."""
+    if config.tensor_parallel_size == 1 and not extra_roles:
         return None
     import os
 
-    from specfork.parallel.group import ShardLaunch, start_group
+    from specfork.parallel.group import SHARD_ROLE, ShardLaunch
+    from specfork.parallel.world import RankRole, World, WorldPlan
 
     threads = config.threads or max(1, len(os.sched_getaffinity(0)) // config.tensor_parallel_size)
     torch.set_num_threads(threads)
     launch = ShardLaunch(
-        model=config.model, device=config.device, dtype=config.torch_dtype_name, max_positions=config.max_model_len,
+        model=config.model, dtype=config.torch_dtype_name, max_positions=config.max_model_len,
         load_options=config.load_options, num_blocks=num_blocks, block_size=config.block_size,
         kv_dtype=config.kv_cache_dtype, deterministic=config.deterministic, threads=threads,
     )
-    return start_group(config.tensor_parallel_size, launch, config.dist_timeout_s, config.distributed_launch)
+    roles = (RankRole(SHARD_ROLE, launch),) * (config.tensor_parallel_size - 1) + tuple(extra_roles)
+    plan = WorldPlan(roles, config.tensor_parallel_size, config.device, config.dist_timeout_s)
+    world = World.start(plan, config.distributed_launch)
+    if world is None:  # this torchrun rank served its role until rank 0 finished
+        raise SystemExit(0)
+    return world
 
 
 def _first_stop(text: str, stops: tuple[str, ...]) -> int:

@@ -64,8 +64,9 @@ def _head_proposer(engine: LLMEngine, spec) -> Eagle3Proposer:
 
 def build_ssd_step(engine: LLMEngine, drafter=None) -> SpeculativeStep:
     """SSD: the same verification step, fed by a drafter process (see ``speculative/ssd``). ``drafter``:
-    a :class:`DrafterProcess` started earlier and not yet launched (None starts one now). The
-    in-process fallback draft is loaded only if the drafter process fails."""
+    a :class:`DrafterProcess` started earlier and not yet launched (None starts one now, or, with
+    ``drafter_rank``, talks to that rank of the engine's world). The in-process fallback draft is
+    loaded only if the drafter fails."""
     import torch
 
     from specfork.speculative.ssd.cores import TargetPinning, core_sharing_warning, split_cores
@@ -84,7 +85,12 @@ def build_ssd_step(engine: LLMEngine, drafter=None) -> SpeculativeStep:
         head = check_eagle3_head(Path(spec.path), engine.loaded.arch)  # before the drafter process loads it
     else:
         check_draft_vocabulary(spec, engine.loaded)
-    target_cores, drafter_cores = split_cores(config)
+    if config.drafter_rank is not None:
+        from specfork.speculative.ssd.transport import DrafterRank
+
+        drafter = DrafterRank(engine.world, config.drafter_rank)
+    local = config.distributed_launch == "local"  # under torchrun the drafter may be on another host
+    target_cores, drafter_cores = split_cores(config) if local else (None, None)
     if engine.device.type == "cpu":
         warning = core_sharing_warning(target_cores, len(os.sched_getaffinity(0)))
         if warning:

@@ -120,6 +120,7 @@ class SSDProposer:
         self._pin(True)
         self.drafter: DrafterProcess | None = drafter if drafter is not None else DrafterProcess()
         self.process = self.drafter.process  # of the newest drafter (tests and diagnostics)
+        self._restartable = self.drafter.restartable
         try:
             self.drafter.send(launch)
             if self.drafter.ready(STARTUP_TIMEOUT_S) is None:
@@ -167,7 +168,8 @@ class SSDProposer:
     def health(self) -> StepHealth:
         degraded = None
         if self.drafter is None:
-            degraded = f"SSD drafter down ({self.failure}); drafting in-process while it restarts"
+            degraded = f"SSD drafter down ({self.failure}); drafting in-process " + (
+                "while it restarts" if self._restartable else "from now on (a drafter rank is not restarted)")
         return StepHealth(degraded=degraded, drafter_failures=self.failures, drafter_restarts=self.restarts)
 
     # -- the drafter ------------------------------------------------------------------------
@@ -206,7 +208,8 @@ class SSDProposer:
         return self._proposal(seqs, num_tokens, reply[1], reply[2], waited)
 
     def _fail(self, reason: str) -> None:
-        """The drafter failed: kill it, go on in-process, and schedule a restart."""
+        """The drafter failed: kill it, go on in-process, and schedule a restart (a process; a
+        rank cannot come back)."""
         self.failure = reason
         self.failures += 1
         self._failures_in_a_row += 1
@@ -218,6 +221,11 @@ class SSDProposer:
         self._released.clear()
         self._features.clear()  # the sequences in flight get no more drafts from a head
         self._pin(False)  # the drafter's cores are free meanwhile
+        if not self._restartable:
+            self._restart_at = None
+            logger.error("SSD: %s; continuing in-process for the rest of the run (generations are not affected; "
+                         "a drafter rank cannot rejoin the world)", reason)
+            return
         backoff = min(MAX_BACKOFF_S, RESTART_BACKOFF_S * 2 ** (self._failures_in_a_row - 1))
         self._restart_at = self._clock() + backoff
         logger.error("SSD: %s; continuing in-process (generations are not affected); restarting the drafter "

@@ -1,18 +1,30 @@
-"""One drafter process and the connection to it, as the target sees them.
+"""The drafter and the connection to it, as the target sees them.
 
-The process is a fresh interpreter (not fork: the parent's OpenMP pools do not survive a fork;
-not multiprocessing's spawn: that re-imports the user's ``__main__``) talking over a socket
-pair. Whatever happens to the owning object, the process does not outlive it.
+:class:`DrafterProcess`: a fresh interpreter on this host (not fork: the parent's OpenMP pools
+do not survive a fork; not multiprocessing's spawn: that re-imports the user's ``__main__``)
+talking over a socket pair. Whatever happens to the owning object, the process does not outlive
+it; a failed one is restarted by the proposer.
+
+:class:`DrafterRank`: the drafter as a rank of the torch.distributed world (its own GPU, or
+another host under torchrun), the same messages carried by :class:`RankConnection`. A rank
+cannot rejoin a world, so one that fails is not restarted: its sequences go on in-process.
 """
 
 from __future__ import annotations
 
 import logging
+import pickle
+import queue
 import socket
 import subprocess
 import sys
+import threading
 import weakref
+from datetime import timedelta
 from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
 
 from specfork.speculative.ssd.messages import DrafterLaunch
 
@@ -24,6 +36,8 @@ class DrafterError(Exception):
 
 
 class DrafterProcess:
+    restartable = True  # the proposer may start a new one after a failure
+
     def __init__(self, launch: DrafterLaunch | None = None) -> None:
         """Start the process; with ``launch`` also send it, and the draft loads in the
         background. Without, the interpreter starts (imports torch) and waits for ``send(launch)``."""
@@ -94,3 +108,118 @@ def _kill(process: subprocess.Popen) -> None:
         process.wait(timeout=5)
     except subprocess.TimeoutExpired:
         logger.error("SSD: drafter process %d did not exit after SIGKILL", process.pid)
+
+
+class RankConnection:
+    """A ``multiprocessing.connection.Connection`` look-alike (send, poll, recv, close) to one
+    peer rank, over torch.distributed point-to-point messages: a length, then the pickled bytes.
+
+    A gloo send completes only once the peer has posted the matching receive, so a thread keeps
+    one posted at all times: a sender never waits for the other side to finish its work (the
+    drafter pre-drafting between requests). ``close`` sends an end-of-stream mark (length -1)
+    that ends the peer's thread, so neither side leaves the world with a receive pending; a
+    broken peer ends it too. After either, ``recv`` raises ``EOFError``, as on a closed pipe.
+    """
+
+    def __init__(self, peer: int, send_timeout_s: float) -> None:
+        self.peer = peer
+        self._send_timeout = timedelta(seconds=send_timeout_s)
+        self._inbox: queue.Queue = queue.Queue()
+        self._next = None
+        self.closed = False
+        self._receiver = threading.Thread(target=self._receive, name=f"rank-{peer}-receiver", daemon=True)
+        self._receiver.start()
+
+    def _receive(self) -> None:
+        try:
+            while True:
+                size = torch.zeros(1, dtype=torch.int64)
+                dist.recv(size, self.peer)
+                if int(size) < 0:
+                    self._inbox.put(EOFError(f"rank {self.peer} closed the connection"))
+                    return
+                payload = torch.empty(int(size), dtype=torch.uint8)
+                dist.recv(payload, self.peer)
+                self._inbox.put(payload.numpy().tobytes())
+        except Exception as e:  # the peer or the world is gone
+            self._inbox.put(EOFError(f"rank {self.peer} is gone ({_why(e)})"))
+
+    def send(self, message) -> None:
+        if self.closed:
+            raise OSError(f"the connection to rank {self.peer} is closed")
+        data = pickle.dumps(message)
+        try:
+            dist.isend(torch.tensor([len(data)], dtype=torch.int64), self.peer).wait(self._send_timeout)
+            dist.isend(torch.frombuffer(bytearray(data), dtype=torch.uint8), self.peer).wait(self._send_timeout)
+        except RuntimeError as e:
+            raise ConnectionResetError(f"rank {self.peer} is gone ({_why(e)})") from None
+
+    def poll(self, timeout: float | None = 0.0) -> bool:
+        if self._next is None:
+            try:
+                self._next = self._inbox.get(timeout=timeout) if timeout else self._inbox.get_nowait()
+            except queue.Empty:
+                return False
+        return True
+
+    def recv(self):
+        if self._next is None:
+            self._next = self._inbox.get()
+        if isinstance(self._next, EOFError):
+            raise self._next  # and again on every later call
+        data, self._next = self._next, None
+        return pickle.loads(data)
+
+    def close(self) -> None:
+        """Tell the peer no more messages come, and wait briefly for its own mark (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            dist.isend(torch.tensor([-1], dtype=torch.int64), self.peer).wait(timedelta(seconds=5))
+        except RuntimeError:
+            return  # the peer is gone: so is its receive, and ours has ended
+        self._receiver.join(timeout=5)
+
+
+def _why(error: Exception) -> str:
+    text = str(error)
+    if "closed by peer" in text.lower():
+        return "connection closed"
+    if "timed out" in text.lower():
+        return "timed out"
+    return text.splitlines()[0][:160]
+
+
+class DrafterRank(DrafterProcess):
+    """The drafter as rank ``rank`` of the engine's torch.distributed world (parallel/world.py),
+    with :class:`DrafterProcess`'s messages and failure handling, minus the restarts."""
+
+    restartable = False
+
+    def __init__(self, world, rank: int, launch: DrafterLaunch | None = None) -> None:
+        self.rank = rank
+        self.process = world.processes.get(rank)  # None when torchrun started it (maybe on another host)
+        self.conn = RankConnection(rank, world.plan.timeout_s)
+        if launch is not None:
+            self.send(launch)
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    def close(self) -> None:
+        """Ask the rank to leave (its process ends) and stop talking to it (idempotent); a local
+        rank that does not leave within 5 s is killed."""
+        if self.conn.closed:
+            return
+        try:
+            self.send(("exit",))
+        except DrafterError:
+            pass
+        self.conn.close()
+        if self.process is not None:
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                _kill(self.process)

@@ -26,6 +26,8 @@ from specfork.speculative.ssd.messages import DrafterLaunch, WireReply
 
 logger = logging.getLogger(__name__)
 
+DRAFTER_ROLE = "specfork.speculative.ssd.worker:serve_rank"  # the drafter as a rank (parallel/world.py)
+
 
 def drafter_main(conn) -> None:
     try:
@@ -61,6 +63,18 @@ def drafter_main(conn) -> None:
         return
     except (BrokenPipeError, ConnectionResetError):
         return
+
+
+def serve_rank(_payload, world) -> None:
+    """The drafter as a rank of the torch.distributed world (role of parallel/world.py): the same
+    loop, its messages to and from rank 0 carried by torch.distributed."""
+    from specfork.speculative.ssd.transport import RankConnection
+
+    conn = RankConnection(0, world.plan.timeout_s)
+    try:
+        drafter_main(conn)
+    finally:
+        conn.close()
 
 
 if __name__ == "__main__":
