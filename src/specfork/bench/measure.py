@@ -32,6 +32,10 @@ class RunResult:
     acceptance_by_position: list[float] | None = None  # accepted / proposed at each chain position
     draft_step_ratio: float | None = None  # one draft step / one target decode step (SD with a draft or head)
     ssd_hidden_fraction: float | None = None  # share of the drafter's work hidden behind verification
+    # Tensor parallelism: the shards' sums (all-gather and add) per forward, ms each, share of the run.
+    sums_per_forward: float | None = None
+    sum_ms: float | None = None
+    sum_share: float | None = None
 
 
 def time_passes(generate_group: Callable[[list[list[int]]], list], prompts: list[list[int]], s: BenchSettings,

@@ -13,6 +13,10 @@ COLUMNS = ("run", "dataset", "tok/s", "min-max", "vs AR", "accept len", "hit rat
 def _label(r: dict) -> str:
     st = r["settings"]
     extra = {k: st.get(k) for k in ("k", "draft_confidence", "fan_out", "backup")}
+    if st.get("tensor_parallel_size", 1) != 1:
+        extra["tp"] = st["tensor_parallel_size"]
+    if st.get("ssd_drafter"):
+        extra["drafter"] = st["ssd_drafter"]
     if st.get("batch_size", 1) != 1:
         extra["batch"] = st["batch_size"]
     if st.get("input_len") is not None:
@@ -153,7 +157,7 @@ def markdown(report: dict, command: str) -> str:
         "|" + "---|" * len(columns(report)),
     ]
     body = ["| " + " | ".join(row) + " |" for row in table_rows(report)]
-    notes = [""] + [f"* {n}" for n in report.get("notes", [])] + _acceptance_lines(report)
+    notes = [""] + [f"* {n}" for n in report.get("notes", [])] + _acceptance_lines(report) + _sum_lines(report)
     return "\n".join(head + body + notes) + "\n"
 
 
@@ -162,6 +166,18 @@ def _acceptance_lines(report: dict) -> list[str]:
     lines = [f"* {_label(r)}, {r['dataset']}: " + " ".join(f"{a:.2f}" for a in r["acceptance_by_position"])
              for r in report["results"] if r.get("acceptance_by_position")]
     return ["", "Acceptance by chain position (accepted / proposed drafts at positions 1, 2, ...):", *lines] if lines else []
+
+
+def sum_lines(report: dict) -> list[str]:
+    """The tensor-parallel runs' sums: how many per forward, how long each, their share of the run."""
+    return [f"{_label(r)}, {r['dataset']}: {r['sums_per_forward']:.0f} sums per forward, {r['sum_ms']:.2f} ms each, "
+            f"{r['sum_share']:.0%} of the run" for r in report["results"] if r.get("sums_per_forward")]
+
+
+def _sum_lines(report: dict) -> list[str]:
+    lines = sum_lines(report)
+    return ["", "Tensor parallelism (the ranks' all-gather-and-add after each attention and MLP):",
+            *[f"* {line}" for line in lines]] if lines else []
 
 
 def _bandwidth_note(report: dict) -> list[str]:

@@ -59,14 +59,15 @@ def load_prompt_ids(llm, dataset: str, settings: BenchSettings) -> list[list[int
 
 
 def _engine_options(mode: str, s: BenchSettings) -> dict:
-    options = {"threads": s.threads, "max_num_seqs": max(s.batch_size, 1)}
+    options = {"threads": s.threads, "max_num_seqs": max(s.batch_size, 1), "tensor_parallel_size": s.tensor_parallel_size}
     if mode == "sd":
         options.update(mode="sd", draft=s.draft, k=s.k, draft_confidence=s.draft_confidence)
     elif mode == "ngram":
         options.update(mode="sd", drafter="ngram", k=s.k)
     elif mode == "ssd":
         options.update(mode="ssd", draft=s.draft, k=s.k, fan_out=s.fan_out, backup=s.backup, threads=None,
-                       target_cores=s.target_cores, draft_cores=s.draft_cores)
+                       target_cores=s.target_cores, draft_cores=s.draft_cores,
+                       drafter_rank=s.tensor_parallel_size if s.ssd_drafter == "rank" else None)
     return options
 
 
@@ -78,8 +79,12 @@ def run_specfork(mode: str, dataset: str, prompts: list[list[int]], s: BenchSett
     with LLM(s.model, **_engine_options(mode, s)) as llm:
         for _ in range(s.warmup):
             llm.generate(prompts[: s.batch_size], replace(params, max_tokens=min(16, s.output_len)))
+        parallel = llm.engine.parallel
+        if parallel is not None:
+            parallel.collectives.reset()
         speeds, outputs, _ = time_passes(lambda group: llm.generate(group, params), prompts, s,
                                          count=lambda o: len(o.token_ids), progress=progress)
+        sums = _sums(parallel, sum(len(o.token_ids) for o in outputs), speeds)
         step_bytes = weight_bytes(llm.engine.loaded.model)["weights"] if s.bandwidth and mode == "ar" else None
         draft_ratio = _draft_step_ratio(llm) if mode == "sd" else None
     agg = aggregate_metrics(outputs)
@@ -97,11 +102,22 @@ def run_specfork(mode: str, dataset: str, prompts: list[list[int]], s: BenchSett
         ssd_hidden_fraction=agg.get("ssd_hidden_fraction"),
         latency_s=percentiles([o.metrics["time_s"] for o in outputs]),
         ttft_s=percentiles([o.metrics["ttft_s"] for o in outputs if o.metrics.get("ttft_s") is not None]),
+        **sums,
     )
     steps_per_s = decode_steps_per_s([o.metrics for o in outputs]) if step_bytes else None
     if steps_per_s:
         result.weight_GBps = step_bytes * steps_per_s / 1e9
     return result, [o.token_ids for o in outputs]
+
+
+def _sums(parallel, tokens: int, speeds: list[float]) -> dict:
+    """Tensor parallelism: the ranks' sums per forward and their share of the timed passes."""
+    if parallel is None:
+        return {}
+    c = parallel.collectives
+    wall = sum(tokens / speed for speed in speeds)
+    return {"sums_per_forward": c.reduce_calls / max(c.forwards, 1), "sum_ms": c.mean_reduce_ms,
+            "sum_share": c.reduce_seconds / wall if wall else None}
 
 
 def _draft_step_ratio(llm) -> float | None:
@@ -123,7 +139,9 @@ def _cell_settings(mode: str, s: BenchSettings) -> dict:
     if mode == "sd" and s.draft_confidence:
         keep |= {"draft_confidence"}
     if mode == "ssd":
-        keep |= {"fan_out", "backup"}
+        keep |= {"fan_out", "backup"} | ({"ssd_drafter"} if s.ssd_drafter != "process" else set())
+    if s.tensor_parallel_size != 1:
+        keep |= {"tensor_parallel_size"}
     return {k: v for k, v in asdict(s).items() if k in keep}
 
 

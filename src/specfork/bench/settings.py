@@ -12,7 +12,9 @@ from specfork.options import comma_list, int_or_auto, option
 MODES = ("ar", "sd", "ssd", "ngram")
 DATASETS = ("humaneval", "sharegpt", "random")
 PEERS = ("transformers", "llama.cpp")
-SWEEPABLE = {"k": int_or_auto, "draft_confidence": float, "fan_out": int, "temperature": float, "input_len": int, "batch_size": int, "dataset": str}
+SSD_DRAFTERS = ("process", "rank")
+SWEEPABLE = {"k": int_or_auto, "draft_confidence": float, "fan_out": int, "temperature": float, "input_len": int,
+             "batch_size": int, "dataset": str, "tensor_parallel_size": int, "ssd_drafter": str}
 
 
 def dataset_list(text: str) -> tuple[str, ...]:
@@ -39,6 +41,11 @@ class BenchSettings:
     fan_out: int = option(3, "SSD fan-out per outcome")
     backup: str = option("jit", "SSD cache-miss backup", choices=SSD_BACKUPS)
     batch_size: int = option(1, "concurrent requests")
+    tensor_parallel_size: int = option(1, "specfork runs: split the target over this many ranks (torch.distributed; "
+                                       "each rank gets --threads threads, default the cores / N); the time spent "
+                                       "in the ranks' sums is reported")
+    ssd_drafter: str = option("process", "SSD's drafter: a local process, or a rank of the engine's "
+                              "torch.distributed world (--drafter-rank)", choices=SSD_DRAFTERS)
     threads: int | None = option(None, "torch threads for AR/SD and peers (default: torch's)")
     repeat: int = option(1, "timed runs; the median is reported")
     warmup: int = option(1, "untimed warm-up runs")
@@ -64,7 +71,9 @@ class BenchSettings:
                                     "pass a number, or leave ssd out of --modes")
         elif not isinstance(self.k, int) or isinstance(self.k, bool):
             raise SpecforkError(f"k must be an integer >= 1 or auto, got {self.k!r}")
-        for name in ("num_prompts", "output_len", "fan_out", "batch_size", "repeat") + (("k",) if self.k != "auto" else ()):
+        if self.ssd_drafter not in SSD_DRAFTERS:
+            raise SpecforkError(f"ssd_drafter must be one of {', '.join(SSD_DRAFTERS)}, got {self.ssd_drafter!r}")
+        for name in ("num_prompts", "output_len", "fan_out", "batch_size", "repeat", "tensor_parallel_size") + (("k",) if self.k != "auto" else ()):
             if getattr(self, name) < 1:
                 raise SpecforkError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.warmup < 0:

@@ -29,7 +29,7 @@ def add_arguments(p) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specfork.bench.report import format_table, write_all
+    from specfork.bench.report import format_table, sum_lines, write_all
     from specfork.bench.runner import parse_sweep, run_benchmark
 
     settings = BenchSettings(**schema.values(args, BenchSettings))
@@ -37,6 +37,8 @@ def run(args: argparse.Namespace) -> int:
     m = report["machine"]
     print(f"machine: {m['cpu']}, {m['cores']} cores; native kernels: {m['kernels']}")
     print(format_table(report))
+    for line in sum_lines(report):
+        print(f"tensor parallel: {line}")
     for note in report["notes"]:
         print(f"note: {note}", file=sys.stderr)
     paths = write_all(report, args.out, args.command_line)

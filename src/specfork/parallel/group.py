@@ -52,6 +52,11 @@ class Collectives:
     group: object  # the world's model group (None: the whole world)
     reduce_seconds: float = 0.0
     reduce_calls: int = 0
+    forwards: int = 0  # forwards rank 0 broadcast
+
+    def reset(self) -> None:
+        """Zero the counters (a benchmark's timed passes start here)."""
+        self.reduce_seconds, self.reduce_calls, self.forwards = 0.0, 0, 0
 
     def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of every rank's ``partial``: the parts are gathered and added in
@@ -119,6 +124,7 @@ class TensorParallelGroup:
 
     def broadcast_forward(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
         """Send one forward's inputs to the other ranks (they run it as rank 0 does)."""
+        self.collectives.forwards += 1
         self._guard(lambda: dist.broadcast_object_list([("forward", ids, positions, meta)], src=0,
                                                        group=self.collectives.group))
 
