@@ -111,11 +111,12 @@ def ssd_models(root) -> dict:
     return {"target": str(root / "target"), "draft": str(root / "draft"), "hf_target": target}
 
 
-def sample_ssd(models, params_kw, backup, saguaro, num_samples, device="cpu"):
+def sample_ssd(models, params_kw, backup, saguaro, num_samples, device="cpu", **options):
     """``num_samples`` SSD generations of PROMPT; checks that hits and misses, acceptances and
-    rejections all occurred and that the drafter process never failed."""
+    rejections all occurred and that the drafter process never failed. ``options``: more engine
+    options (tensor parallelism, the drafter as a rank)."""
     llm = LLM(models["target"], mode="ssd", draft=models["draft"], k=3, fan_out=2, backup=backup,
-              saguaro_x=saguaro, max_num_seqs=512, kv_cache_tokens=512 * 16, device=device)
+              saguaro_x=saguaro, max_num_seqs=512, kv_cache_tokens=512 * 16, device=device, **options)
     params = [SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, seed=i, **params_kw) for i in range(num_samples)]
     try:
         outs = llm.generate([PROMPT] * num_samples, params)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from eagle3_heads import head_models
 from helpers import assert_greedy_match, max_abs_diff, prefill_logits
-from lossless import NUM_TOKENS, PROMPT, SETTINGS, check, exact_joint, ssd_models
+from lossless import NUM_TOKENS, PROMPT, SETTINGS, check, exact_joint, sample_ssd, ssd_models
 
 from specfork import LLM, SamplingParams
 from specfork.errors import EngineFailure, ModelLoadError, SpecforkError
@@ -126,6 +126,18 @@ def test_tp2_speculative_sampling_is_lossless(draft_pair):
     assert 0 < accepted < sum(o.metrics["draft_tokens_proposed"] for o in outs)
     for name, (stat, dof, limit) in check([tuple(o.token_ids) for o in outs], joint).items():
         assert stat < limit, f"{name}: chi2 {stat:.1f} >= {limit:.1f} (dof {dof})"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", ["temperature", "top-p"])
+def test_tp2_ssd_with_the_drafter_as_a_rank_is_lossless(draft_pair, setting):
+    """SSD with TP = 2 and its drafter as a third rank: the chi-square test, with cache hits and
+    misses, acceptances and rejections (checked by ``sample_ssd``)."""
+    params_kw = SETTINGS[setting]
+    joint = exact_joint(draft_pair["hf_target"], SamplingParams(**params_kw), NUM_TOKENS)
+    samples = sample_ssd(draft_pair, params_kw, "jit", None, 6000, tensor_parallel_size=2, drafter_rank=2)
+    for name, (stat, dof, limit) in check(samples, joint).items():
+        assert stat < limit, f"{setting} {name}: chi2 {stat:.1f} >= {limit:.1f} (dof {dof})"
 
 
 def _gone(pid: int, within_s: float = 10.0) -> bool:

@@ -112,7 +112,12 @@ def _kill(process: subprocess.Popen) -> None:
 
 class RankConnection:
     """A ``multiprocessing.connection.Connection`` look-alike (send, poll, recv, close) to one
-    peer rank, over torch.distributed point-to-point messages: a length, then the pickled bytes.
+    peer rank, over torch.distributed point-to-point messages.
+
+    A message is one send of at most ``FRAME`` bytes: an 8-byte length, then the pickle; a
+    longer pickle's rest follows in a second send of exactly that size (a gloo receive accepts
+    fewer bytes than its buffer, not more). Most messages (greedy requests and replies) thus
+    cost one send, about 0.5 ms on this machine, where a length-then-payload protocol costs two.
 
     A gloo send completes only once the peer has posted the matching receive, so a thread keeps
     one posted at all times: a sender never waits for the other side to finish its work (the
@@ -120,6 +125,8 @@ class RankConnection:
     that ends the peer's thread, so neither side leaves the world with a receive pending; a
     broken peer ends it too. After either, ``recv`` raises ``EOFError``, as on a closed pipe.
     """
+
+    FRAME = 1 << 16
 
     def __init__(self, peer: int, send_timeout_s: float) -> None:
         self.peer = peer
@@ -131,26 +138,36 @@ class RankConnection:
         self._receiver.start()
 
     def _receive(self) -> None:
+        head = 8
         try:
             while True:
-                size = torch.zeros(1, dtype=torch.int64)
-                dist.recv(size, self.peer)
-                if int(size) < 0:
+                frame = torch.empty(self.FRAME, dtype=torch.uint8)
+                dist.recv(frame, self.peer)
+                size = int(frame[:head].view(torch.int64))
+                if size < 0:
                     self._inbox.put(EOFError(f"rank {self.peer} closed the connection"))
                     return
-                payload = torch.empty(int(size), dtype=torch.uint8)
-                dist.recv(payload, self.peer)
-                self._inbox.put(payload.numpy().tobytes())
+                data = frame[head : head + size].numpy().tobytes()
+                if size > self.FRAME - head:
+                    rest = torch.empty(size - (self.FRAME - head), dtype=torch.uint8)
+                    dist.recv(rest, self.peer)
+                    data += rest.numpy().tobytes()
+                self._inbox.put(data)
         except Exception as e:  # the peer or the world is gone
             self._inbox.put(EOFError(f"rank {self.peer} is gone ({_why(e)})"))
+
+    def _send_bytes(self, size: int, data: bytes, timeout: timedelta) -> None:
+        framed = torch.frombuffer(bytearray(size.to_bytes(8, "little", signed=True) + data), dtype=torch.uint8)
+        dist.isend(framed[: self.FRAME], self.peer).wait(timeout)
+        if framed.numel() > self.FRAME:
+            dist.isend(framed[self.FRAME :], self.peer).wait(timeout)
 
     def send(self, message) -> None:
         if self.closed:
             raise OSError(f"the connection to rank {self.peer} is closed")
         data = pickle.dumps(message)
         try:
-            dist.isend(torch.tensor([len(data)], dtype=torch.int64), self.peer).wait(self._send_timeout)
-            dist.isend(torch.frombuffer(bytearray(data), dtype=torch.uint8), self.peer).wait(self._send_timeout)
+            self._send_bytes(len(data), data, self._send_timeout)
         except RuntimeError as e:
             raise ConnectionResetError(f"rank {self.peer} is gone ({_why(e)})") from None
 
@@ -176,7 +193,7 @@ class RankConnection:
             return
         self.closed = True
         try:
-            dist.isend(torch.tensor([-1], dtype=torch.int64), self.peer).wait(timedelta(seconds=5))
+            self._send_bytes(-1, b"", timedelta(seconds=5))
         except RuntimeError:
             return  # the peer is gone: so is its receive, and ours has ended
         self._receiver.join(timeout=5)
