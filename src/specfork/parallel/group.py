@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.distributed as dist
@@ -163,5 +163,15 @@ def serve_forwards(runner, collectives: Collectives) -> None:
             kind = message[0][0]
             if kind == "exit":
                 return
-            _, ids, positions, meta = message[0]
+            ids, positions, meta = _on(runner.device, message[0][1:])
             runner.model(ids, positions, runner.kv_caches, meta)
+
+
+def _on(device: torch.device, inputs: tuple) -> tuple:
+    """A forward's inputs on this rank's device (on CUDA, rank 0's tensors arrive on rank 0's GPU)."""
+    ids, positions, meta = inputs
+    if ids.device == device:
+        return ids, positions, meta
+    moved = {f.name: getattr(meta, f.name).to(device) for f in fields(meta)
+             if isinstance(getattr(meta, f.name), torch.Tensor)}
+    return ids.to(device), positions.to(device), replace(meta, **moved)

@@ -87,6 +87,8 @@ class World:
         self.model_group = None  # None: the whole world
         if plan.size > plan.model_ranks > 1:
             self.model_group = dist.new_group(list(range(plan.model_ranks)))
+        # Messages between ranks (pickles in CPU tensors) need gloo, also when NCCL carries the rest.
+        self.message_group = dist.new_group(backend="gloo") if plan.backend != "gloo" else None
 
     @property
     def size(self) -> int:

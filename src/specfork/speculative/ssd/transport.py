@@ -128,8 +128,10 @@ class RankConnection:
 
     FRAME = 1 << 16
 
-    def __init__(self, peer: int, send_timeout_s: float) -> None:
+    def __init__(self, peer: int, send_timeout_s: float, group=None) -> None:
+        """``group``: the process group that carries CPU tensors (None: the default one)."""
         self.peer = peer
+        self._group = group
         self._send_timeout = timedelta(seconds=send_timeout_s)
         self._inbox: queue.Queue = queue.Queue()
         self._next = None
@@ -142,7 +144,7 @@ class RankConnection:
         try:
             while True:
                 frame = torch.empty(self.FRAME, dtype=torch.uint8)
-                dist.recv(frame, self.peer)
+                dist.recv(frame, self.peer, group=self._group)
                 size = int(frame[:head].view(torch.int64))
                 if size < 0:
                     self._inbox.put(EOFError(f"rank {self.peer} closed the connection"))
@@ -150,7 +152,7 @@ class RankConnection:
                 data = frame[head : head + size].numpy().tobytes()
                 if size > self.FRAME - head:
                     rest = torch.empty(size - (self.FRAME - head), dtype=torch.uint8)
-                    dist.recv(rest, self.peer)
+                    dist.recv(rest, self.peer, group=self._group)
                     data += rest.numpy().tobytes()
                 self._inbox.put(data)
         except Exception as e:  # the peer or the world is gone
@@ -158,9 +160,9 @@ class RankConnection:
 
     def _send_bytes(self, size: int, data: bytes, timeout: timedelta) -> None:
         framed = torch.frombuffer(bytearray(size.to_bytes(8, "little", signed=True) + data), dtype=torch.uint8)
-        dist.isend(framed[: self.FRAME], self.peer).wait(timeout)
+        dist.isend(framed[: self.FRAME], self.peer, group=self._group).wait(timeout)
         if framed.numel() > self.FRAME:
-            dist.isend(framed[self.FRAME :], self.peer).wait(timeout)
+            dist.isend(framed[self.FRAME :], self.peer, group=self._group).wait(timeout)
 
     def send(self, message) -> None:
         if self.closed:
@@ -217,7 +219,7 @@ class DrafterRank(DrafterProcess):
     def __init__(self, world, rank: int, launch: DrafterLaunch | None = None) -> None:
         self.rank = rank
         self.process = world.processes.get(rank)  # None when torchrun started it (maybe on another host)
-        self.conn = RankConnection(rank, world.plan.timeout_s)
+        self.conn = RankConnection(rank, world.plan.timeout_s, world.message_group)
         if launch is not None:
             self.send(launch)
 

@@ -70,7 +70,7 @@ def serve_rank(_payload, world) -> None:
     loop, its messages to and from rank 0 carried by torch.distributed."""
     from specfork.speculative.ssd.transport import RankConnection
 
-    conn = RankConnection(0, world.plan.timeout_s)
+    conn = RankConnection(0, world.plan.timeout_s, world.message_group)
     try:
         drafter_main(conn)
     finally:
