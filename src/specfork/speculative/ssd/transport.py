@@ -117,7 +117,8 @@ class RankConnection:
     A message is one send of at most ``FRAME`` bytes: an 8-byte length, then the pickle; a
     longer pickle's rest follows in a second send of exactly that size (a gloo receive accepts
     fewer bytes than its buffer, not more). Most messages (greedy requests and replies) thus
-    cost one send, about 0.5 ms on this machine, where a length-then-payload protocol costs two.
+    cost one send where a length-then-payload protocol costs two (a request and its reply took
+    0.37 ms round trip between two processes here).
 
     A gloo send completes only once the peer has posted the matching receive, so a thread keeps
     one posted at all times: a sender never waits for the other side to finish its work (the
