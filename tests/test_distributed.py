@@ -212,6 +212,23 @@ def test_ssd_with_the_drafter_as_a_rank_equals_ar_and_survives_its_death(draft_p
     assert _gone(drafter.pid)
 
 
+def test_a_hung_drafter_rank_is_cut_off_within_seconds(draft_pair):
+    """SIGSTOP: the round waits out --drafter-timeout, the rank is killed within a few seconds
+    more, and the run goes on in-process with AR's tokens."""
+    with LLM(draft_pair["target"], deterministic=True) as ar:
+        expected = ar.generate([PROMPT], GREEDY)[0].token_ids
+    with LLM(draft_pair["target"], mode="ssd", draft=draft_pair["draft"], k=3, drafter_rank=1, deterministic=True,
+             drafter_timeout_s=2) as llm:
+        drafter = llm.engine.step_strategy.proposer.process
+        assert llm.generate([PROMPT], GREEDY)[0].token_ids == expected
+        os.kill(drafter.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        assert llm.generate([PROMPT], GREEDY)[0].token_ids == expected
+        assert time.monotonic() - started < 15
+        assert "did not answer within 2.0 s" in llm.health().degraded
+    assert _gone(drafter.pid)
+
+
 def test_drafter_rank_settings_are_checked(draft_pair):
     with pytest.raises(SpecforkError, match="needs mode 'ssd'"):
         LLM(draft_pair["target"], drafter_rank=1)

@@ -110,6 +110,9 @@ def _kill(process: subprocess.Popen) -> None:
         logger.error("SSD: drafter process %d did not exit after SIGKILL", process.pid)
 
 
+CLOSE_TIMEOUT_S = 2.0  # how long closing waits on a peer (a hung one must not hold the target up)
+
+
 class RankConnection:
     """A ``multiprocessing.connection.Connection`` look-alike (send, poll, recv, close) to one
     peer rank, over torch.distributed point-to-point messages.
@@ -165,12 +168,15 @@ class RankConnection:
         if framed.numel() > self.FRAME:
             dist.isend(framed[self.FRAME :], self.peer, group=self._group).wait(timeout)
 
-    def send(self, message) -> None:
+    def send(self, message, timeout_s: float | None = None) -> None:
+        """Send ``message``, waiting at most ``timeout_s`` (default: the world's timeout) for the
+        peer to take it."""
         if self.closed:
             raise OSError(f"the connection to rank {self.peer} is closed")
         data = pickle.dumps(message)
+        timeout = self._send_timeout if timeout_s is None else timedelta(seconds=timeout_s)
         try:
-            self._send_bytes(len(data), data, self._send_timeout)
+            self._send_bytes(len(data), data, timeout)
         except RuntimeError as e:
             raise ConnectionResetError(f"rank {self.peer} is gone ({_why(e)})") from None
 
@@ -196,10 +202,10 @@ class RankConnection:
             return
         self.closed = True
         try:
-            self._send_bytes(-1, b"", timedelta(seconds=5))
+            self._send_bytes(-1, b"", timedelta(seconds=CLOSE_TIMEOUT_S))
         except RuntimeError:
-            return  # the peer is gone: so is its receive, and ours has ended
-        self._receiver.join(timeout=5)
+            return  # the peer is gone or hung: either way it gets nothing more
+        self._receiver.join(timeout=CLOSE_TIMEOUT_S)
 
 
 def _why(error: Exception) -> str:
@@ -230,16 +236,16 @@ class DrafterRank(DrafterProcess):
 
     def close(self) -> None:
         """Ask the rank to leave (its process ends) and stop talking to it (idempotent); a local
-        rank that does not leave within 5 s is killed."""
+        rank that does not leave within a few seconds (a hung one) is killed."""
         if self.conn.closed:
             return
         try:
-            self.send(("exit",))
-        except DrafterError:
+            self.conn.send(("exit",), timeout_s=CLOSE_TIMEOUT_S)
+        except (OSError, ValueError):
             pass
         self.conn.close()
         if self.process is not None:
             try:
-                self.process.wait(timeout=5)
+                self.process.wait(timeout=CLOSE_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 _kill(self.process)
