@@ -143,13 +143,6 @@ class Config:
             _positive("max_model_len", self.max_model_len)
         if self.threads is not None:
             _positive("threads", self.threads)
-        _positive("tensor_parallel_size", self.tensor_parallel_size)
-        if self.distributed_launch not in DIST_LAUNCHES:
-            raise SpecforkError(f"distributed_launch must be one of {', '.join(DIST_LAUNCHES)}, "
-                                f"got {self.distributed_launch!r}")
-        if isinstance(self.dist_timeout_s, bool) or not isinstance(self.dist_timeout_s, (int, float)) \
-                or not self.dist_timeout_s > 0:
-            raise SpecforkError(f"dist_timeout_s must be > 0, got {self.dist_timeout_s!r}")
         if self.mode not in MODES:
             raise SpecforkError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.drafter not in DRAFTERS:
@@ -188,12 +181,7 @@ class Config:
             raise SpecforkError(f"saguaro_x (the Saguaro sampling coefficient C) must be in (0, 1], got {self.saguaro_x!r}")
         if self.drafter_device is not None and self.drafter_device.split(":")[0] not in ("cpu", "cuda"):
             raise SpecforkError(f"drafter_device must be 'cpu' or 'cuda[:N]', got {self.drafter_device!r}")
-        if self.drafter_rank is not None:
-            if self.mode != "ssd":
-                raise SpecforkError("drafter_rank places SSD's drafter; it needs mode 'ssd'")
-            if self.drafter_rank != self.tensor_parallel_size or isinstance(self.drafter_rank, bool):
-                raise SpecforkError(f"drafter_rank must be {self.tensor_parallel_size}, the rank after the model's "
-                                    f"{self.tensor_parallel_size} (tensor_parallel_size); got {self.drafter_rank!r}")
+        self._check_distributed()
         for name in ("target_cores", "draft_cores"):
             if getattr(self, name) is not None:
                 parse_cores(getattr(self, name), name)
@@ -208,6 +196,21 @@ class Config:
             raise SpecforkError(f"quantize must be one of {', '.join(QUANTIZE)} or None, got {self.quantize!r}")
         if self.quantize_group not in QUANTIZE_GROUPS:
             raise SpecforkError(f"quantize_group must be one of {QUANTIZE_GROUPS}, got {self.quantize_group!r}")
+
+    def _check_distributed(self) -> None:
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.distributed_launch not in DIST_LAUNCHES:
+            raise SpecforkError(f"distributed_launch must be one of {', '.join(DIST_LAUNCHES)}, "
+                                f"got {self.distributed_launch!r}")
+        if isinstance(self.dist_timeout_s, bool) or not isinstance(self.dist_timeout_s, (int, float)) \
+                or not self.dist_timeout_s > 0:
+            raise SpecforkError(f"dist_timeout_s must be > 0, got {self.dist_timeout_s!r}")
+        if self.drafter_rank is not None:
+            if self.mode != "ssd":
+                raise SpecforkError("drafter_rank places SSD's drafter; it needs mode 'ssd'")
+            if self.drafter_rank != self.tensor_parallel_size or isinstance(self.drafter_rank, bool):
+                raise SpecforkError(f"drafter_rank must be {self.tensor_parallel_size}, the rank after the model's "
+                                    f"{self.tensor_parallel_size} (tensor_parallel_size); got {self.drafter_rank!r}")
 
     @property
     def load_options(self) -> dict:
