@@ -236,19 +236,19 @@ def test_forward_ms_times_a_forward_after_a_prefilled_context(tiny):
 
 @pytest.mark.dist
 def test_bench_sweeps_tensor_parallelism_and_the_drafter_rank(tiny, tmp_path, capsys):
-    """`--sweep tensor_parallel_size=1,2;ssd_drafter=process,rank`: every cell runs, greedy output
-    equals AR in each, and the TP = 2 runs report their sums (count per forward, time, share)."""
+    """`--sweep tensor_parallel_size=1,2;ssd_drafter=rank`: every cell runs, greedy output equals AR
+    in each, and the TP = 2 runs report their sums (count per forward, time, share)."""
     out = tmp_path / "tp"
     code = main(["bench", "--model", tiny, "--draft", tiny, "--modes", "ar,ssd", "--datasets", "random",
                  "--input-len", "8", "--num-prompts", "1", "--output-len", "8", "--k", "2", "--threads", "1",
-                 "--sweep", "tensor_parallel_size=1,2;ssd_drafter=process,rank", "--warmup", "0",
+                 "--sweep", "tensor_parallel_size=1,2;ssd_drafter=rank", "--warmup", "0",
                  "--out", str(out), "--no-progress"])
     assert code == 0
     results = json.loads((out / "results.json").read_text())["results"]
     ssd = [r for r in results if r["mode"] == "ssd"]
-    assert len(ssd) == 4 and all(r["match_ar"] == 1.0 for r in ssd)
+    assert len(ssd) == 2 and all(r["match_ar"] == 1.0 and r["settings"]["ssd_drafter"] == "rank" for r in ssd)
     tp2 = [r for r in results if r["settings"].get("tensor_parallel_size") == 2]
-    assert len(tp2) == 4 and all(r["sums_per_forward"] == 2 * 2 and 0 < r["sum_share"] < 1 for r in tp2)
+    assert len(tp2) == 2 and all(r["sums_per_forward"] == 2 * 2 and 0 < r["sum_share"] < 1 for r in tp2)
     assert not any(r.get("sums_per_forward") for r in results if r not in tp2)
     printed = capsys.readouterr().out
     assert "specfork ssd k=2 fan_out=3 backup=jit tp=2 drafter=rank" in printed

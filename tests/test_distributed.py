@@ -212,6 +212,7 @@ def test_ssd_with_the_drafter_as_a_rank_equals_ar_and_survives_its_death(draft_p
     assert _gone(drafter.pid)
 
 
+@pytest.mark.slow
 def test_a_hung_drafter_rank_is_cut_off_within_seconds(draft_pair):
     """SIGSTOP: the round waits out --drafter-timeout, the rank is killed within a few seconds
     more, and the run goes on in-process with AR's tokens."""
