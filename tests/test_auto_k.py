@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specfork import LLM, SamplingParams, SpecforkError
-from specfork.speculative.auto_k import AutoK, StepCosts, modelled_round_s, plan
+from specfork.speculative.auto_k import PROBE_EVERY, AutoK, StepCosts, modelled_round_s, plan
 
 
 def test_plan_maximises_expected_tokens_per_second():
@@ -37,6 +37,26 @@ def test_observed_acceptance_moves_the_choice():
         auto.observe(k, k)
         auto.end_round(k, modelled_round_s(costs, k))
     assert auto.alpha > 0.6 and auto.current.k > 0
+
+
+def test_plain_decoding_does_not_drift_back_to_speculating_without_evidence():
+    """Acceptance 0.2, where speculating loses (it would pay at the fixed prior's 0.5): once k
+    auto settles on k = 0, a long stretch of plain decoding must not bring speculation back on
+    no new evidence; only the probes (k = 1 every PROBE_EVERY rounds) speculate."""
+    costs = StepCosts(draft_s=0.001, verify_s=tuple(0.010 + 0.002 * (m - 1) for m in range(1, 10)))
+    auto = AutoK(costs)
+    assert plan(costs, 0.5)[0].k > 0 and plan(costs, 0.2)[0].k == 0
+    ks, speculating = [], 0
+    for _ in range(600):
+        k = auto.k_for_round()
+        if k:
+            speculating += 1
+            auto.observe(k, 1 if speculating % 5 == 0 else 0)  # the first draft accepted 1 time in 5
+        auto.end_round(k, modelled_round_s(costs, k))
+        ks.append(k)
+    late = ks[200:]
+    assert auto.current.k == 0 and 0.1 < auto.alpha < 0.3
+    assert sum(1 for k in late if k > 0) <= len(late) // PROBE_EVERY + 1, late
 
 
 def test_measured_round_times_fall_back_to_plain_decoding_when_speculation_does_not_pay():
