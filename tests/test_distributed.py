@@ -259,3 +259,15 @@ def test_a_torchrun_group_runs_the_shards_and_the_drafter_rank(tmp_path, draft_p
     got = [json.loads(line)["token_ids"] for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     with LLM(draft_pair["target"], tensor_parallel_size=2, deterministic=True) as ar:
         assert got == [o.token_ids for o in ar.generate(prompts, GREEDY)]
+
+
+def test_ranks_do_not_outlive_a_killed_engine(draft_pair):
+    """SIGKILL on rank 0 (nothing runs its clean-up): the ranks it started end by themselves."""
+    import subprocess
+    import sys
+
+    script = (f"import os, signal\nfrom specfork import LLM\nllm = LLM({draft_pair['target']!r}, tensor_parallel_size=2)\n"
+              "print(llm.engine.parallel.workers[0].pid, flush=True)\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    assert _gone(int(done.stdout.split()[-1]), within_s=10)

@@ -8,8 +8,11 @@ Any failure ends the process: its peers see the connection close and stop with a
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import sys
+import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -45,14 +48,16 @@ def run_shard(launch: ShardLaunch, world: World) -> None:
 
 
 def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when the process that started it dies, however it dies."""
-    try:
-        import ctypes
-        import signal
+    """End this process when the process that started it is gone, however it went (a thread
+    watching the parent pid: PR_SET_PDEATHSIG would fire when the parent's *thread* exits)."""
+    parent = os.getppid()
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def main(argv: list[str]) -> int:

@@ -15,7 +15,8 @@ Two ways in (``Config.distributed_launch``):
 
 When the model's shards share the world with other ranks, they get their own subgroup, so their
 collectives never wait on (or break with) a drafter. No rank outlives the world: rank 0 kills
-the processes it started when it closes (or at exit), and they die with it (PDEATHSIG).
+the processes it started when it closes (or at exit), and each ends itself once its parent is
+gone (a thread watching the parent pid).
 """
 
 from __future__ import annotations
