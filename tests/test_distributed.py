@@ -22,7 +22,7 @@ from lossless import NUM_TOKENS, PROMPT, SETTINGS, check, exact_joint, sample_ss
 from specfork import LLM, SamplingParams
 from specfork.errors import EngineFailure, ModelLoadError, SpecforkError
 from specfork.models.config import ModelArchConfig
-from specfork.parallel.shard import TensorShard
+from specfork.models.tensor_parallel import TensorShard
 
 pytestmark = pytest.mark.dist
 
@@ -51,7 +51,7 @@ def test_tp2_logits_equal_tp1_on_every_tiny_family(tiny_checkpoint):
     biases split, untied head), Qwen3 (q/k norms). Float32: the sums differ in rounding only."""
     prompt = [1, 5, 9, 13, 2, 7, 30, 31, 40, 41, 42]
     with LLM(str(tiny_checkpoint.path)) as tp1, LLM(str(tiny_checkpoint.path), tensor_parallel_size=2) as tp2:
-        assert tp2.engine.runner.model.config.num_kv_heads <= tp1.engine.runner.model.config.num_kv_heads
+        assert tp2.engine.runner.model.config.num_heads < tp1.engine.runner.model.config.num_heads
         _compare(tp1, tp2, prompt, 32, rel_tol=1e-5)
 
 
@@ -177,6 +177,17 @@ def test_a_hung_rank_ends_the_run_after_the_timeout(draft_pair):
     assert _gone(worker.pid)
 
 
+def test_ranks_wait_out_an_idle_engine(draft_pair):
+    """An engine idle for longer than --dist-timeout (a server between requests) keeps its
+    shards and its drafter rank: the timeout bounds waits on a rank at work, not idle ones."""
+    with LLM(draft_pair["target"], tensor_parallel_size=2, mode="ssd", draft=draft_pair["draft"], k=2,
+             drafter_rank=2, dist_timeout_s=1, deterministic=True) as llm:
+        first = llm.generate([PROMPT], GREEDY)[0].token_ids
+        time.sleep(2.5)
+        assert llm.generate([PROMPT], GREEDY)[0].token_ids == first
+        assert llm.health().degraded is None
+
+
 def test_ranks_leave_with_the_engine(draft_pair):
     with LLM(draft_pair["target"], tensor_parallel_size=2) as llm:
         pids = [w.pid for w in llm.engine.parallel.workers]
@@ -185,7 +196,8 @@ def test_ranks_leave_with_the_engine(draft_pair):
 
 
 def test_a_rank_that_cannot_load_is_reported(tmp_path, draft_pair):
-    """A checkpoint whose heads cannot be split: the error names the cause, every rank exits."""
+    """A checkpoint whose heads cannot be split: the error names the cause, and the group is torn
+    down (this process can start another)."""
     with pytest.raises(ModelLoadError, match="cannot split 2 query / 1 KV heads over 3"):
         LLM(draft_pair["target"], tensor_parallel_size=3)
     assert torch.distributed.is_initialized() is False

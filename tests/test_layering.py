@@ -16,8 +16,8 @@ FORBIDDEN = {
     "loading": ("engine", "speculative", "serve", "bench", "training", "cli", "llm"),
     "engine": ("speculative", "serve", "bench", "training", "cli", "llm"),
     "speculative": ("serve", "bench", "training", "cli", "llm"),
-    # torch.distributed: runs model shards and other ranks' roles by import path, never speculation
-    "parallel": ("speculative", "serve", "bench", "training", "cli", "llm"),
+    # torch.distributed: runs the ranks' roles (shards, a drafter) by import path, knowing none of them
+    "parallel": ("engine", "loading", "speculative", "serve", "bench", "training", "cli", "llm"),
     "serve": ("speculative", "bench", "training", "cli"),
     "config": ("speculative", "engine", "models", "layers", "serve", "bench", "training", "cli", "llm"),
     "options": ("speculative", "engine", "models", "layers", "serve", "bench", "training", "cli", "llm"),

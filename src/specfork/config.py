@@ -59,8 +59,10 @@ class Config:
                                      "--nnodes ... -m specfork generate ... on each); rank 0 runs the command, the "
                                      "others serve forwards and exit when it is done",
                                      choices=DIST_LAUNCHES, group=ENGINE)
-    dist_timeout_s: float = option(120.0, "seconds a tensor-parallel rank may go without answering before the "
-                                   "run ends with an error", flag="--dist-timeout", group=ENGINE)
+    dist_timeout_s: float = option(120.0, "seconds a rank at work (a forward, a message) may go without "
+                                   "answering before the run ends with an error; ranks wait as long as the "
+                                   "engine is idle, and start-up may take at least 120 s",
+                                   flag="--dist-timeout", group=ENGINE)
     seed: int = option(0, "the engine's seed, the same in every command: each request samples with a generator "
                        "derived from it and the request's position, so a run is reproducible", group=ENGINE)
     mode: str = option("ar", "ar: autoregressive; sd: speculative decoding (a drafter proposes --k tokens, the "

@@ -325,7 +325,8 @@ def _start_world(config: Config, num_blocks: int, extra_roles: tuple):
         return None
     import os
 
-    from specfork.parallel.group import SHARD_ROLE, ShardLaunch
+    from specfork.engine.shard_role import SHARD_ROLE
+    from specfork.parallel.group import ShardLaunch
     from specfork.parallel.world import RankRole, World, WorldPlan
 
     threads = config.threads or max(1, len(os.sched_getaffinity(0)) // config.tensor_parallel_size)

@@ -7,6 +7,7 @@ import torch
 
 from specfork.engine.logprobs import record_prompt_logprobs
 from specfork.engine.scheduler import ScheduledBatch
+from specfork.errors import EngineFailure
 from specfork.layers.attention import AttentionMetadata
 from specfork.layers.cpu_kernels import kernels as native_kernels
 from specfork.layers.linear import set_batch_invariant
@@ -175,8 +176,18 @@ class ModelRunner:
         return self._logits(self._run(ids, pos, meta), logits_rows)
 
     def _run(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if self.parallel is not None:
-            self.parallel.broadcast_forward(ids, pos, meta)
+        if self.parallel is None:
+            return self._forward(ids, pos, meta)
+        self.parallel.send_forward(ids, pos, meta)
+        try:
+            return self._forward(ids, pos, meta)
+        except EngineFailure:
+            raise
+        except BaseException as e:  # the shards are inside this forward: they cannot go on
+            self.parallel.fail(f"rank 0 failed during a forward ({type(e).__name__})")
+            raise
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if not self.feature_layers:
             return self.model(ids, pos, self.kv_caches, meta)
         hidden, self.features = self.model(ids, pos, self.kv_caches, meta, self.feature_layers)

@@ -13,7 +13,7 @@ from specfork.loading.resolve import CheckpointFormat, CheckpointLocation, resol
 from specfork.loading.tokenizer import Tokenizer, load_gguf_tokenizer, load_hf_tokenizer
 from specfork.models.config import ModelArchConfig
 from specfork.models.llama import LlamaForCausalLM
-from specfork.parallel.shard import TensorShard
+from specfork.models.tensor_parallel import TensorShard
 
 logger = logging.getLogger(__name__)
 

@@ -105,7 +105,7 @@ class LlamaForCausalLM(nn.Module):
     """Embedding → N decoder layers → final norm → LM head (tied or not).
 
     ``reduce``: the model is one tensor-parallel shard (``cfg`` counts this shard's heads and
-    units; parallel/shard.py) and ``reduce`` sums o's and down's partial outputs over the shards."""
+    units; models/tensor_parallel.py) and ``reduce`` sums o's and down's partial outputs over the shards."""
 
     def __init__(self, cfg: ModelArchConfig, take: WeightSource, max_positions: int,
                  reduce: Reduce | None = None) -> None:

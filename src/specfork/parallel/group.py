@@ -1,8 +1,11 @@
 """Tensor parallelism: the model's shards on ranks 0..N-1 of the world (parallel/world.py).
 
-Rank 0 owns scheduling, sampling and verification. Before each forward it broadcasts the
-prepared inputs (token ids, positions, attention metadata); every rank runs its shard, the
-shards meeting in one all-reduce after each attention and each MLP. Logits are computed on rank
+Rank 0 owns scheduling, sampling and verification. Before each forward it sends every shard the
+prepared inputs (token ids, positions, attention metadata: one pickled frame each,
+parallel/connection.py); every rank runs its shard, the shards meeting in one all-reduce after
+each attention and each MLP. A shard waits for its next frame on a group with the world's idle
+timeout (an engine may sit idle for hours); rank 0's sends and the sums are bounded by
+``--dist-timeout``. Logits are computed on rank
 0 (the LM head is replicated), so nothing else ever comes back.
 
 A rank that dies or stops answering makes the next collective fail on rank 0, which raises
@@ -13,20 +16,20 @@ failing requests one by one.
 from __future__ import annotations
 
 import logging
+import pickle
 import time
 from dataclasses import dataclass, fields, replace
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from specfork.errors import ModelLoadError
-from specfork.parallel.shard import TensorShard
+from specfork.models.tensor_parallel import TensorShard
+from specfork.parallel.connection import recv_frame, send_frame
 from specfork.parallel.world import RankFailure, World
 
 logger = logging.getLogger(__name__)
-
-SHARD_ROLE = "specfork.parallel.worker:run_shard"
-
 
 @dataclass(frozen=True)
 class ShardLaunch:
@@ -49,10 +52,24 @@ class Collectives:
 
     rank: int
     size: int
-    group: object  # the world's model group (None: the whole world)
+    group: object  # the world's model group for the sums
+    start_group: object  # the same ranks, for the start-up reports
+    idle_group: object  # the same ranks, for the inputs a shard waits for while the engine is idle
+    timeout: timedelta  # what rank 0 waits for a shard to take its inputs
     reduce_seconds: float = 0.0
     reduce_calls: int = 0
-    forwards: int = 0  # forwards rank 0 broadcast
+    forwards: int = 0  # forwards rank 0 sent out
+
+    @classmethod
+    def of(cls, world: World) -> Collectives:
+        return cls(world.rank, world.plan.model_ranks, world.model_group, world.model_start_group,
+                   world.model_idle_group, timedelta(seconds=world.plan.timeout_s))
+
+    def send_all(self, message) -> None:
+        """Rank 0: the same message to every shard."""
+        data = pickle.dumps(message)
+        for rank in range(1, self.size):
+            send_frame(data, rank, self.idle_group, self.timeout)
 
     def reset(self) -> None:
         """Zero the counters (a benchmark's timed passes start here)."""
@@ -80,7 +97,7 @@ class Collectives:
     def gather_reports(self, error: str | None) -> list[str | None]:
         """Every shard's start-up report (None: it built its shard)."""
         reports: list[str | None] = [None] * self.size
-        dist.all_gather_object(reports, error, group=self.group)
+        dist.all_gather_object(reports, error, group=self.start_group)
         return reports
 
     @property
@@ -93,7 +110,7 @@ class TensorParallelGroup:
 
     def __init__(self, world: World) -> None:
         self.world = world
-        self.collectives = Collectives(0, world.plan.model_ranks, world.model_group)
+        self.collectives = Collectives.of(world)
         self.failure: str | None = None
         self._serving = False  # every rank built its shard and waits for forwards
         self._closed = False
@@ -122,11 +139,19 @@ class TensorParallelGroup:
             raise ModelLoadError(f"tensor-parallel rank {rank} could not load its shard: {message}")
         self._serving = error is None
 
-    def broadcast_forward(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
-        """Send one forward's inputs to the other ranks (they run it as rank 0 does)."""
+    def send_forward(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
+        """Send one forward's inputs to the other ranks (they run it as rank 0 does). They travel
+        as CPU tensors: each rank puts them on its own device."""
         self.collectives.forwards += 1
-        self._guard(lambda: dist.broadcast_object_list([("forward", ids, positions, meta)], src=0,
-                                                       group=self.collectives.group))
+        inputs = _on(torch.device("cpu"), (ids, positions, meta))
+        self._guard(lambda: self.collectives.send_all(("forward", *inputs)))
+
+    def fail(self, reason: str) -> None:
+        """Rank 0 could not finish a forward the shards started (an error of its own, an
+        interrupt): they are stuck inside it, so the group cannot go on."""
+        if self.failure is None:
+            self.failure = f"{reason}; the tensor-parallel ranks were stopped"
+            self.world.kill()
 
     def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         return self._guard(lambda: self.collectives.all_reduce(partial))
@@ -149,21 +174,19 @@ class TensorParallelGroup:
         self._closed = True
         if self._serving and self.failure is None:
             try:
-                dist.broadcast_object_list([("exit",)], src=0, group=self.collectives.group)
+                self.collectives.send_all(("exit",))
             except RuntimeError:
                 pass
 
 
 def serve_forwards(runner, collectives: Collectives) -> None:
-    """A rank other than 0: run every forward rank 0 broadcasts until it says exit."""
+    """A rank other than 0: run every forward rank 0 sends until it says exit."""
     with torch.inference_mode():
         while True:
-            message = [None]
-            dist.broadcast_object_list(message, src=0, group=collectives.group)
-            kind = message[0][0]
-            if kind == "exit":
+            message = pickle.loads(recv_frame(0, collectives.idle_group))
+            if message[0] == "exit":
                 return
-            ids, positions, meta = _on(runner.device, message[0][1:])
+            ids, positions, meta = _on(runner.device, message[1:])
             runner.model(ids, positions, runner.kv_caches, meta)
 
 

@@ -40,6 +40,10 @@ logger = logging.getLogger(__name__)
 
 PLAN_KEY = "specfork/plan"
 ALIVE_KEY = "specfork/alive/{}"
+# What a rank may wait for its next message while the engine is idle (a server between requests,
+# a drafter between rounds): a week, where ``--dist-timeout`` bounds waits on a rank at work.
+IDLE_TIMEOUT = timedelta(days=7)
+START_TIMEOUT_S = 120.0  # at least this long for ranks to start (import torch) and load their part
 
 
 class RankFailure(EngineFailure):
@@ -60,11 +64,16 @@ class WorldPlan:
     roles: tuple[RankRole, ...]  # of ranks 1..size-1
     model_ranks: int  # ranks 0..model_ranks-1 hold the model's shards
     device: str  # the engine's device: gloo on CPU, NCCL on CUDA
-    timeout_s: float  # what a rank may wait for another
+    timeout_s: float  # what a rank at work may wait for another (--dist-timeout)
 
     @property
     def size(self) -> int:
         return len(self.roles) + 1
+
+    @property
+    def start_timeout(self) -> timedelta:
+        """What start-up (interpreters, loading) may take: also the default group's timeout."""
+        return timedelta(seconds=max(self.timeout_s, START_TIMEOUT_S))
 
     @property
     def backend(self) -> str:
@@ -83,13 +92,22 @@ class World:
         self.rank = rank
         self.processes = processes  # rank -> the local process rank 0 started (none under torchrun)
         self._closed = False
-        self._finalizer = weakref.finalize(self, _kill_all, list(processes.values()))
+        self._finalizer = weakref.finalize(self, kill_processes, list(processes.values()))
         # Every rank creates every subgroup, in the same order (torch.distributed's rule).
-        self.model_group = None  # None: the whole world
-        if plan.size > plan.model_ranks > 1:
-            self.model_group = dist.new_group(list(range(plan.model_ranks)))
-        # Messages between ranks (pickles in CPU tensors) need gloo, also when NCCL carries the rest.
-        self.message_group = dist.new_group(backend="gloo") if plan.backend != "gloo" else None
+        shards = list(range(plan.model_ranks))
+        self.model_group = self.model_start_group = self.model_idle_group = None
+        if plan.model_ranks > 1:
+            # The shards' sums, bounded by --dist-timeout.
+            self.model_group = dist.new_group(shards, timeout=timedelta(seconds=plan.timeout_s))
+            # Their start-up reports, which wait for the slowest to load.
+            self.model_start_group = dist.new_group(shards, timeout=plan.start_timeout)
+            # The forwards' inputs, which they wait for while the engine is idle (pickles: gloo).
+            self.model_idle_group = dist.new_group(shards, timeout=IDLE_TIMEOUT, backend="gloo")
+        # Messages between rank 0 and the other roles: pickles in CPU tensors, so gloo even under
+        # NCCL; a receive is always posted (parallel/connection.py), hence the idle timeout.
+        self.message_group = None
+        if plan.size > plan.model_ranks:
+            self.message_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
 
     @property
     def size(self) -> int:
@@ -104,20 +122,23 @@ class World:
 
     @classmethod
     def _launch(cls, plan: WorldPlan) -> World:
-        timeout = timedelta(seconds=plan.timeout_s)
+        timeout = plan.start_timeout
+        if plan.device.startswith("cuda") and torch.cuda.device_count() < plan.size:
+            raise ModelLoadError(f"{plan.size} ranks on this host need {plan.size} GPUs; "
+                                 f"{torch.cuda.device_count()} are visible")
         store = dist.TCPStore("127.0.0.1", 0, plan.size, is_master=True, timeout=timeout, wait_for_workers=False)
         store.set(PLAN_KEY, pickle.dumps(plan))
         processes = {
             rank: subprocess.Popen([sys.executable, "-m", "specfork.parallel.worker", "127.0.0.1", str(store.port),
-                                    str(rank), str(plan.size), str(plan.timeout_s)])
+                                    str(rank), str(plan.size), str(timeout.total_seconds())])
             for rank in range(1, plan.size)
         }
         try:
-            _await_ranks(store, processes, plan.timeout_s)
+            _await_ranks(store, processes, timeout.total_seconds())
             dist.init_process_group(plan.backend, store=store, rank=0, world_size=plan.size, timeout=timeout)
             return cls(plan, 0, processes)
         except BaseException:
-            _kill_all(list(processes.values()))
+            kill_processes(list(processes.values()))
             if dist.is_initialized():
                 dist.destroy_process_group()
             raise
@@ -125,7 +146,7 @@ class World:
     @classmethod
     def _join_torchrun(cls, plan: WorldPlan) -> World | None:
         try:
-            dist.init_process_group(plan.backend, timeout=timedelta(seconds=plan.timeout_s))
+            dist.init_process_group(plan.backend, timeout=plan.start_timeout)
         except (ValueError, RuntimeError) as e:
             raise ModelLoadError(f"cannot join the torchrun group ({str(e).splitlines()[0][:200]}); start with "
                                  "torchrun --nproc-per-node N, or use --distributed-launch local") from None
@@ -139,6 +160,8 @@ class World:
             return world
         try:
             world.run_role()
+        except RuntimeError as e:  # rank 0 died or the group broke: one line, not a traceback
+            raise RankFailure(f"rank {world.rank} stopped: the group broke ({brief(e)})") from None
         finally:
             world.close()
         return None
@@ -158,9 +181,9 @@ class World:
             process = self.processes.get(rank)
             if process is not None and process.poll() is not None:
                 return f"{what} rank {rank} (pid {process.pid}) exited with code {process.returncode}"
-        if "timed out" in str(error).lower():
+        if brief(error) == "timed out":
             return f"a {what} rank did not answer within {self.plan.timeout_s:g} s (--dist-timeout)"
-        return f"{what} collective failed ({str(error).splitlines()[0][:200]})"
+        return f"{what} collective failed ({brief(error)})"
 
     def close(self) -> None:
         """Wait briefly for the ranks this process started, kill what is left, leave the group."""
@@ -173,13 +196,13 @@ class World:
                 process.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-        _kill_all(list(self.processes.values()))
+        kill_processes(list(self.processes.values()))
         if dist.is_initialized():
             dist.destroy_process_group()
 
     def kill(self) -> None:
         """Rank 0 after a failure: no grace period for the ranks it started."""
-        _kill_all(list(self.processes.values()))
+        kill_processes(list(self.processes.values()))
 
 
 def _await_ranks(store, processes: dict[int, subprocess.Popen], timeout_s: float) -> None:
@@ -197,7 +220,18 @@ def _await_ranks(store, processes: dict[int, subprocess.Popen], timeout_s: float
         time.sleep(0.02)
 
 
-def _kill_all(processes: list[subprocess.Popen]) -> None:
+def brief(error: BaseException) -> str:
+    """A torch.distributed error in a few words (its messages run to several lines of C++ context)."""
+    text = str(error)
+    if "closed by peer" in text.lower():
+        return "connection closed"
+    if "timed out" in text.lower():
+        return "timed out"
+    return text.splitlines()[0][:200] if text else type(error).__name__
+
+
+def kill_processes(processes: list[subprocess.Popen]) -> None:
+    """SIGKILL whatever still runs, then reap it all."""
     for process in processes:
         if process.poll() is None:
             process.kill()

@@ -96,6 +96,8 @@ def build_ssd_step(engine: LLMEngine, drafter=None) -> SpeculativeStep:
         if warning:
             logger.warning(warning)
     drafter_device = config.drafter_device
+    if drafter_device is None and config.drafter_rank is not None and engine.device.type == "cuda":
+        drafter_device = engine.world.plan.device_of(config.drafter_rank)  # the GPU after the shards'
     if drafter_device is None:
         if engine.device.type == "cuda" and torch.cuda.device_count() > 1:
             drafter_device = f"cuda:{(engine.device.index or 0) + 1}"

@@ -68,7 +68,7 @@ def drafter_main(conn) -> None:
 def serve_rank(_payload, world) -> None:
     """The drafter as a rank of the torch.distributed world (role of parallel/world.py): the same
     loop, its messages to and from rank 0 carried by torch.distributed."""
-    from specfork.speculative.ssd.transport import RankConnection
+    from specfork.parallel.connection import RankConnection
 
     conn = RankConnection(0, world.plan.timeout_s, world.message_group)
     try:

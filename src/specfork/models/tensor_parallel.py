@@ -14,7 +14,8 @@ and each rank keeps a copy of the KV heads its queries read (as vLLM does). Inte
 are split in steps of the quantisation group, so GGUF's blocks are never cut.
 
 The model is built from the local view (``local_arch``: this rank's head and unit counts) and
-knows nothing else of parallelism than the ``reduce`` it calls after o and down.
+knows nothing else of parallelism than the ``reduce`` it calls after o and down (the ranks and
+their collectives are parallel/group.py's).
 """
 
 from __future__ import annotations
