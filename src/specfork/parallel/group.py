@@ -26,10 +26,11 @@ import torch.distributed as dist
 
 from specfork.errors import ModelLoadError
 from specfork.models.tensor_parallel import TensorShard
-from specfork.parallel.connection import recv_frame, send_frame
+from specfork.parallel.connection import CLOSE_TIMEOUT_S, recv_frame, send_frame
 from specfork.parallel.world import RankFailure, World
 
 logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class ShardLaunch:
@@ -65,11 +66,12 @@ class Collectives:
         return cls(world.rank, world.plan.model_ranks, world.model_group, world.model_start_group,
                    world.model_idle_group, timedelta(seconds=world.plan.timeout_s))
 
-    def send_all(self, message) -> None:
-        """Rank 0: the same message to every shard."""
+    def send_all(self, message, timeout: timedelta | None = None) -> None:
+        """Rank 0: the same message to every shard, each waiting at most ``timeout`` (default:
+        --dist-timeout) to be taken."""
         data = pickle.dumps(message)
         for rank in range(1, self.size):
-            send_frame(data, rank, self.idle_group, self.timeout)
+            send_frame(data, rank, self.idle_group, timeout or self.timeout)
 
     def reset(self) -> None:
         """Zero the counters (a benchmark's timed passes start here)."""
@@ -173,8 +175,8 @@ class TensorParallelGroup:
             return
         self._closed = True
         if self._serving and self.failure is None:
-            try:
-                self.collectives.send_all(("exit",))
+            try:  # a hung shard must not hold the engine's exit up: the world kills it
+                self.collectives.send_all(("exit",), timedelta(seconds=CLOSE_TIMEOUT_S))
             except RuntimeError:
                 pass
 
@@ -183,7 +185,8 @@ def serve_forwards(runner, collectives: Collectives) -> None:
     """A rank other than 0: run every forward rank 0 sends until it says exit."""
     with torch.inference_mode():
         while True:
-            message = pickle.loads(recv_frame(0, collectives.idle_group))
+            frame = recv_frame(0, collectives.idle_group)
+            message = ("exit",) if frame is None else pickle.loads(frame)
             if message[0] == "exit":
                 return
             ids, positions, meta = _on(runner.device, message[1:])

@@ -148,7 +148,7 @@ class World:
         try:
             dist.init_process_group(plan.backend, timeout=plan.start_timeout)
         except (ValueError, RuntimeError) as e:
-            raise ModelLoadError(f"cannot join the torchrun group ({str(e).splitlines()[0][:200]}); start with "
+            raise ModelLoadError(f"cannot join the torchrun group ({brief(e)}); start with "
                                  "torchrun --nproc-per-node N, or use --distributed-launch local") from None
         if dist.get_world_size() != plan.size:
             size = dist.get_world_size()
