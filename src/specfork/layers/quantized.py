@@ -55,6 +55,14 @@ class QuantizedWeight:
     def rows(self, index: torch.Tensor) -> QuantizedWeight:
         return QuantizedWeight(self.q[index], self.scale[index], self.offset[index], self.bits, self.source)
 
+    def columns(self, start: int, stop: int) -> QuantizedWeight:
+        """Inputs ``start..stop``, both on group boundaries (a tensor-parallel row split)."""
+        g = self.group
+        if start % g or stop % g:
+            raise ValueError(f"inputs {start}..{stop} cut a quantisation group of {g} inputs")
+        return QuantizedWeight(self.q[:, start:stop].contiguous(), self.scale[:, start // g : stop // g].contiguous(),
+                               self.offset[:, start // g : stop // g].contiguous(), self.bits, self.source)
+
     def to(self, device=None, dtype=None) -> QuantizedWeight | torch.Tensor:
         """Stays quantised on CPU in float32 (the native path); anything else gets dense weights."""
         device = torch.device(device) if device is not None else self.q.device

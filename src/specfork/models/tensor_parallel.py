@@ -116,12 +116,8 @@ def _rows(tensor, start: int, stop: int):
 
 def _columns(tensor, start: int, stop: int, name: str):
     if isinstance(tensor, QuantizedWeight):
-        if start % tensor.group or stop % tensor.group:
-            raise ModelLoadError(
-                f"cannot split {name} at inputs {start}..{stop} across tensor-parallel ranks: its quantisation "
-                f"groups have {tensor.group} inputs"
-            )
-        g = tensor.group
-        return QuantizedWeight(tensor.q[:, start:stop].contiguous(), tensor.scale[:, start // g : stop // g].contiguous(),
-                               tensor.offset[:, start // g : stop // g].contiguous(), tensor.bits, tensor.source)
+        try:
+            return tensor.columns(start, stop)
+        except ValueError as e:
+            raise ModelLoadError(f"cannot split {name} across tensor-parallel ranks: {e}") from None
     return tensor[:, start:stop].contiguous()
