@@ -7,8 +7,8 @@ it; a failed one is restarted by the proposer.
 
 :class:`DrafterRank`: the drafter as a rank of the torch.distributed world (its own GPU, or
 another host under torchrun), the same messages carried by parallel/connection.py's
-:class:`RankConnection`. A rank
-cannot rejoin a world, so one that fails is not restarted: its sequences go on in-process.
+:class:`RankConnection`. A rank cannot rejoin a world, so one that fails is not restarted: its
+sequences go on in-process.
 """
 
 from __future__ import annotations
