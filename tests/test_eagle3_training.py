@@ -16,6 +16,7 @@ import torch
 from builders import build_tiny_checkpoint
 
 from specfork import LLM, SamplingParams
+from specfork.errors import SpecforkError
 from specfork.loading.eagle3 import draft_to_target, load_eagle3_tensors, read_eagle3_config
 from specfork.training import pipeline
 from specfork.training.data import Example
@@ -113,6 +114,25 @@ def test_the_trained_head_drafts_in_sd_and_greedy_output_equals_ar(trained, exam
              weights="fp32").generate([prompt], params)[0]
     assert sd.token_ids == ar == examples[0].response_ids
     assert sd.metrics["spec_rounds"] > 0 and sd.metrics["draft_tokens_accepted"] > 0, sd.metrics
+
+
+def test_init_head_goes_on_from_a_saved_head_with_its_vocabulary(trained, examples, tmp_path):
+    """``--init-head``: a second run starts from the first run's saved head (its draft
+    vocabulary, not one chosen again), so its first loss is near where the first run ended."""
+    job, result = trained
+    again = replace(job, output=tmp_path / "head", work_dir=tmp_path / "work",
+                    train=replace(job.train, epochs=1.0),
+                    eagle3=replace(job.eagle3, draft_vocab="auto", init_head=job.output))
+    second = _train(again, examples)
+    saved = draft_to_target(load_eagle3_tensors(job.output), read_eagle3_config(job.output))
+    continued = draft_to_target(load_eagle3_tensors(again.output), read_eagle3_config(again.output))
+    assert torch.equal(continued, saved) and second["draft_vocab"]["size"] == DRAFT_VOCAB
+    first_steps = torch.load(again.work_dir / "eagle3-checkpoints" / "last.pt", weights_only=True)["history"]
+    middle = (result["first_loss"] + result["last_loss"]) / 2  # a fresh head starts at first_loss
+    assert first_steps[0]["loss"] < middle, (first_steps[0], result["first_loss"], result["last_loss"])
+    assert json.loads((again.output / "specfork_draft.json").read_text())["eagle3"]["init_head"] == str(job.output)
+    with pytest.raises(SpecforkError, match="--init-head keeps"):
+        Eagle3Settings(draft_vocab=64, init_head=job.output)
 
 
 def test_interrupted_training_resumes_to_the_same_weights(trained, examples, target, tmp_path):

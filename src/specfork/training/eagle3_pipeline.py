@@ -13,12 +13,20 @@ from __future__ import annotations
 import logging
 import platform
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from specfork.loading.eagle3 import Eagle3Config, default_feature_layers, save_eagle3
+from specfork.errors import SpecforkError
+from specfork.loading.eagle3 import (
+    Eagle3Config,
+    check_eagle3_head,
+    default_feature_layers,
+    draft_to_target,
+    load_eagle3_tensors,
+    save_eagle3,
+)
 from specfork.training.eagle3_features import (
     STORE_DTYPE,
     DraftVocab,
@@ -39,8 +47,9 @@ def train_eagle3(job: TrainDraftJob, command: str = "") -> dict:
     """Run the whole job; returns the provenance written next to the head."""
     llm, examples, started, data_seconds = target_responses(job)
     target = llm.engine.loaded
-    layers = default_feature_layers(target.arch.num_layers)
     e = job.eagle3
+    init = initial_head(e.init_head, target) if e.init_head else None
+    layers = init.config.layers_for(target.arch.num_layers) if init else default_feature_layers(target.arch.num_layers)
     t0 = time.time()
     manifest = {"target": job.target, **asdict(job.data), "max_seq_len": job.train.max_seq_len,
                 "feature_layers": list(layers), "shard_size": e.shard_size, "dtype": str(STORE_DTYPE)}
@@ -48,15 +57,21 @@ def train_eagle3(job: TrainDraftJob, command: str = "") -> dict:
                              max_seq_len=job.train.max_seq_len, batch=e.feature_batch, shard_size=e.shard_size,
                              manifest=manifest, progress=job.progress)
     feature_seconds = time.time() - t0
-    vocab = choose_draft_vocab(count_response_tokens([x for x in examples if not is_eval_example(x)],
-                                                     target.arch.vocab_size),
-                               None if e.draft_vocab == "auto" else e.draft_vocab)
-    config = head_config(target.arch, len(vocab.ids), layers, e.head_intermediate_size)
+    counts = count_response_tokens([x for x in examples if not is_eval_example(x)], target.arch.vocab_size)
+    if init:
+        vocab = DraftVocab(init.draft_ids, float(counts[init.draft_ids].sum()) / max(1, int(counts.sum())))
+        config = init.config
+    else:
+        vocab = choose_draft_vocab(counts, None if e.draft_vocab == "auto" else e.draft_vocab)
+        config = head_config(target.arch, len(vocab.ids), layers, e.head_intermediate_size)
     config.layers_for(target.arch.num_layers)
     logger.info("draft vocabulary: %d of %d target ids, covering %.1f%% of the training responses' tokens",
                 len(vocab.ids), target.arch.vocab_size, 100 * vocab.coverage)
     torch.manual_seed(job.train.seed)
     head = build_head(target, config, vocab.ids)
+    if init:
+        head.load_state_dict(init.tensors)
+        logger.info("starting from the weights of %s", e.init_head)
     target_rows = head.lm_head.weight.detach().clone()  # the head's LM head starts as these rows
     del llm, target
     trainer = Eagle3Trainer(head, store, examples, job.train, e, target_rows, job.work_dir / "eagle3-checkpoints",
@@ -97,6 +112,27 @@ def train_eagle3(job: TrainDraftJob, command: str = "") -> dict:
     provenance["total_seconds_this_run"] = round(time.time() - started, 1)
     save_draft_provenance(job.output, provenance)
     return provenance
+
+
+@dataclass(frozen=True, slots=True)
+class InitialHead:
+    """A trained head to start from: its config, draft vocabulary and weights (``state_dict`` names)."""
+
+    config: Eagle3Config
+    draft_ids: torch.Tensor
+    tensors: dict[str, torch.Tensor]
+
+
+def initial_head(directory: Path, target) -> InitialHead:
+    """The head in ``directory``, refused unless it was made for ``target`` and stores all the
+    trainable weights in float (``--init-head``)."""
+    config = check_eagle3_head(directory, target.arch)
+    tensors = load_eagle3_tensors(directory)
+    draft_ids = draft_to_target(tensors, config)
+    tensors.pop("d2t", None)
+    if "embed_tokens.weight" in tensors:
+        raise SpecforkError(f"{directory} stores its own embedding; specfork trains heads over the target's")
+    return InitialHead(config, draft_ids, {n: t.float() for n, t in tensors.items()})
 
 
 def draft_vocab_record(vocab: DraftVocab, target_vocab: int) -> dict:

@@ -92,7 +92,8 @@ class Eagle3Trainer:
         self.steps_per_epoch = len(self._batches(self.train, settings.seed))
         self.total_steps = max(1, math.ceil(self.steps_per_epoch * settings.epochs))
         self.optimizer = adamw(self.head, settings)
-        trained_by = {k: v for k, v in asdict(eagle).items() if k != "feature_batch"}  # what decides the weights
+        trained_by = {k: str(v) if isinstance(v, Path) else v  # what decides the weights (plain data)
+                      for k, v in asdict(eagle).items() if k != "feature_batch"}
         self.identity = {"train": asdict(settings), "eagle3": trained_by, "draft_vocab": len(head.draft_ids)}
         self.step = 0
         self.history: list[dict] = []

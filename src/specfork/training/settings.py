@@ -97,6 +97,9 @@ class Eagle3Settings:
     precision: str = option("auto", "the head's matrix products in bfloat16 (autocast over float32 weights) or "
                             "float32; auto: bf16 on CUDA and on CPUs with native bfloat16", choices=("auto", "bf16", "fp32"),
                             group=EAGLE3)
+    init_head: Path | None = option(
+        None, "start from this EAGLE-3 head's weights instead of new ones, keeping its draft vocabulary, MLP width "
+        "and feature layers (to go on training a head on more or other data)", parse=Path, group=EAGLE3)
     shard_size: int = option(64, cli=False)  # sequences per feature shard (what a resumed run keeps)
 
     def __post_init__(self) -> None:
@@ -106,6 +109,9 @@ class Eagle3Settings:
             raise SpecforkError(f"draft_vocab must be auto or a positive integer, got {self.draft_vocab!r}")
         if self.head_intermediate_size is not None and self.head_intermediate_size < 1:
             raise SpecforkError(f"head_intermediate_size must be >= 1, got {self.head_intermediate_size}")
+        if self.init_head is not None and (self.head_intermediate_size is not None or self.draft_vocab != "auto"):
+            raise SpecforkError("--init-head keeps that head's MLP width and draft vocabulary; leave out "
+                                "--head-intermediate-size and --draft-vocab")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise SpecforkError(f"precision must be auto, bf16 or fp32, got {self.precision!r}")
         if self.feature_batch < 1 or self.shard_size < 1:
