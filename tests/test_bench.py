@@ -158,6 +158,18 @@ def test_bench_cli_sweep_and_all_rows(tiny, tmp_path, capsys):
     assert "specfork sd k=2" in capsys.readouterr().out
 
 
+def test_bench_sweeps_the_weights_option(tiny, tmp_path, capsys):
+    """--sweep weights=native,native-int8 runs AR both ways (int8 activations), each row labelled."""
+    out = tmp_path / "weights"
+    code = main(["bench", "--model", tiny, "--modes", "ar", "--datasets", "random", "--input-len", "8",
+                 "--num-prompts", "1", "--output-len", "4", "--sweep", "weights=native,native-int8", "--warmup", "0",
+                 "--out", str(out), "--no-progress"])
+    assert code == 0
+    report = json.loads((out / "results.json").read_text())
+    assert [r["settings"].get("weights") for r in report["results"]] == [None, "native-int8"]
+    assert "specfork ar weights=native-int8" in capsys.readouterr().out
+
+
 def test_bench_cli_accepts_k_auto(tiny, tmp_path, capsys):
     out = tmp_path / "auto"
     code = main(["bench", "--model", tiny, "--modes", "ar,ngram", "--datasets", "random", "--input-len", "8",

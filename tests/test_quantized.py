@@ -148,13 +148,16 @@ def test_native_model_logits_match_the_dequantized_model(quantized_ggufs, out_ty
 
 
 @needs_kernel
-@pytest.mark.parametrize("mode, kv", [("sd", None), ("ssd", None), ("sd", "float16")])
-def test_speculation_on_the_native_path_equals_native_ar(quantized_ggufs, mode, kv):
+@pytest.mark.parametrize("mode, kv, weights", [("sd", None, "native"), ("ssd", None, "native"),
+                                              ("sd", "float16", "native"), ("sd", None, "native-int8"),
+                                              ("ssd", None, "native-int8")])
+def test_speculation_on_the_native_path_equals_native_ar(quantized_ggufs, mode, kv, weights):
     path = str(quantized_ggufs["q4_1"])
     prompts = [[1, 17, 33, 5], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    ar = [o.token_ids for o in LLM(path, deterministic=True, kv_cache_dtype=kv).generate(prompts, params)]
-    with LLM(path, mode=mode, draft=str(quantized_ggufs["q8_0"]), k=3, deterministic=True, kv_cache_dtype=kv) as spec:
+    ar = [o.token_ids for o in LLM(path, deterministic=True, kv_cache_dtype=kv, weights=weights).generate(prompts, params)]
+    with LLM(path, mode=mode, draft=str(quantized_ggufs["q8_0"]), k=3, deterministic=True, kv_cache_dtype=kv,
+             weights=weights) as spec:
         assert [o.token_ids for o in spec.generate(prompts, params)] == ar
 
 
@@ -176,18 +179,22 @@ def test_embedded_model_native_greedy_equals_fp32_except_near_ties(max_tokens):
 
 
 @needs_kernel
-@pytest.mark.parametrize("out_type, kv", [("q4_0", None), ("q4_1", None), ("q8_0", None), ("q4_1", "float16")])
-def test_one_native_call_per_forward_is_bit_identical_to_the_module_path(quantized_ggufs, out_type, kv):
+@pytest.mark.parametrize("out_type, kv, weights", [("q4_0", None, "native"), ("q4_1", None, "native"),
+                                                   ("q8_0", None, "native"), ("q4_1", "float16", "native"),
+                                                   ("q4_1", None, "native-int8"), ("q8_0", None, "native-int8")])
+def test_one_native_call_per_forward_is_bit_identical_to_the_module_path(quantized_ggufs, out_type, kv, weights):
     """Decode and verify windows of two sequences: all layers in one native call, one native call
     per layer, and the Python module path give the same logits, features and KV cache, bit for bit
-    (with a float32 or a float16 KV cache)."""
+    (with a float32 or a float16 KV cache, int16 or int8 activations)."""
     from specfork.bench.forward import unfused
     from specfork.engine.sequence import Sequence
+    from specfork.layers.quantized import QuantizedLinear
 
-    llm = LLM(str(quantized_ggufs[out_type]), kv_cache_dtype=kv)
+    llm = LLM(str(quantized_ggufs[out_type]), kv_cache_dtype=kv, weights=weights)
     assert llm.engine.runner.kv_caches[0].dtype == (torch.float16 if kv else torch.float32)
     engine, model = llm.engine, llm.engine.loaded.model
     assert model.fused_stack is not None and all(layer.fused_decode is not None for layer in model.layers)
+    assert {m.input_bits for m in model.modules() if isinstance(m, QuantizedLinear)} == {8 if weights != "native" else 16}
     prompts = [[1, 17, 33, 5, 99, 201, 4, 8, 3, 3, 7], [2, 9, 40]]
     seqs = [Sequence(-1 - i, p + [5, 6, 7], SamplingParams(temperature=0.0), torch.Generator())
             for i, p in enumerate(prompts)]

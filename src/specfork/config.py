@@ -16,7 +16,7 @@ MODES = ("ar", "sd", "ssd")
 SSD_BACKUPS = ("jit", "fast")
 TREE_BACKENDS = ("sdpa", "fast")
 DRAFTERS = ("draft", "ngram")
-WEIGHTS = ("native", "fp32")
+WEIGHTS = ("native", "native-int8", "fp32")
 QUANTIZE = ("int4",)
 QUANTIZE_GROUPS = (32, 64, 128)
 K_MAX = 8  # the most tokens k "auto" may propose in a round
@@ -115,8 +115,11 @@ class Config:
         "restarts), or auto: 10x the expected answer from the observed round times, 2 to 60 s "
         "(speculative/ssd/deadline.py) (default: auto)", parse=seconds_or_auto, flag="--drafter-timeout", group=SSD)
     weights: str = option("native", "native: run a GGUF's Q4_0/Q4_1/Q8_0 matrices quantised (native CPU kernel, "
-                          "no per-step dequantisation; an EAGLE-3 head's projections run the int4 kernel); fp32: "
-                          "dequantise at load, heads stay float. Target and draft alike",
+                          "no per-step dequantisation, activations rounded to int16 per group of 32; an EAGLE-3 "
+                          "head's projections run the int4 kernel); native-int8: the same with activations rounded "
+                          "to int8 as llama.cpp does (about a third fewer multiply-add instructions for "
+                          "verification windows and batches, with VNNI; logits move about 1e-2, see "
+                          "docs/benchmarks.md); fp32: dequantise at load, heads stay float. Target and draft alike",
                           choices=WEIGHTS, group=ENGINE)
     quantize: str | None = option(None, "quantise an HF checkpoint's projections to 4 bits at load, for the same "
                                   "kernel (default: off, float32)", choices=QUANTIZE, group=ENGINE)

@@ -15,6 +15,8 @@ def _label(r: dict) -> str:
     extra = {k: st.get(k) for k in ("k", "draft_confidence", "fan_out", "backup")}
     if st.get("tensor_parallel_size", 1) != 1:
         extra["tp"] = st["tensor_parallel_size"]
+    if st.get("weights"):
+        extra["weights"] = st["weights"]
     if st.get("ssd_drafter"):
         extra["drafter"] = st["ssd_drafter"]
     if st.get("batch_size", 1) != 1:

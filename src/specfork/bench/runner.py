@@ -59,7 +59,8 @@ def load_prompt_ids(llm, dataset: str, settings: BenchSettings) -> list[list[int
 
 
 def _engine_options(mode: str, s: BenchSettings) -> dict:
-    options = {"threads": s.threads, "max_num_seqs": max(s.batch_size, 1), "tensor_parallel_size": s.tensor_parallel_size}
+    options = {"threads": s.threads, "max_num_seqs": max(s.batch_size, 1), "tensor_parallel_size": s.tensor_parallel_size,
+               "weights": s.weights}
     if mode == "sd":
         options.update(mode="sd", draft=s.draft, k=s.k, draft_confidence=s.draft_confidence)
     elif mode == "ngram":
@@ -142,6 +143,8 @@ def _cell_settings(mode: str, s: BenchSettings) -> dict:
         keep |= {"fan_out", "backup"} | ({"ssd_drafter"} if s.ssd_drafter != "process" else set())
     if s.tensor_parallel_size != 1:
         keep |= {"tensor_parallel_size"}
+    if s.weights != "native":
+        keep |= {"weights"}
     return {k: v for k, v in asdict(s).items() if k in keep}
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specfork.config import DEFAULT_MODEL, SSD_BACKUPS
+from specfork.config import DEFAULT_MODEL, SSD_BACKUPS, WEIGHTS
 from specfork.errors import SpecforkError
 from specfork.options import comma_list, int_or_auto, option
 
@@ -14,7 +14,7 @@ DATASETS = ("humaneval", "sharegpt", "random")
 PEERS = ("transformers", "llama.cpp")
 SSD_DRAFTERS = ("process", "rank")
 SWEEPABLE = {"k": int_or_auto, "draft_confidence": float, "fan_out": int, "temperature": float, "input_len": int,
-             "batch_size": int, "dataset": str, "tensor_parallel_size": int, "ssd_drafter": str}
+             "batch_size": int, "dataset": str, "tensor_parallel_size": int, "ssd_drafter": str, "weights": str}
 
 
 def dataset_list(text: str) -> tuple[str, ...]:
@@ -46,6 +46,8 @@ class BenchSettings:
                                        "in the ranks' sums is reported")
     ssd_drafter: str = option("process", "SSD's drafter: a local process, or a rank of the engine's "
                               "torch.distributed world (--drafter-rank)", choices=SSD_DRAFTERS)
+    weights: str = option("native", "specfork runs: the engine's --weights (native-int8: int8 activations)",
+                          choices=WEIGHTS)
     threads: int | None = option(None, "torch threads for AR/SD and peers (default: torch's)")
     repeat: int = option(1, "timed runs; the median is reported")
     warmup: int = option(1, "untimed warm-up runs")
@@ -71,6 +73,8 @@ class BenchSettings:
                                     "pass a number, or leave ssd out of --modes")
         elif not isinstance(self.k, int) or isinstance(self.k, bool):
             raise SpecforkError(f"k must be an integer >= 1 or auto, got {self.k!r}")
+        if self.weights not in WEIGHTS:
+            raise SpecforkError(f"weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
         if self.ssd_drafter not in SSD_DRAFTERS:
             raise SpecforkError(f"ssd_drafter must be one of {', '.join(SSD_DRAFTERS)}, got {self.ssd_drafter!r}")
         for name in ("num_prompts", "output_len", "fan_out", "batch_size", "repeat", "tensor_parallel_size") + (("k",) if self.k != "auto" else ()):

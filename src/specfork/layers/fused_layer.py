@@ -55,7 +55,7 @@ def fuse_decoder_layer(input_norm: RMSNorm, projections: tuple, post_norm: RMSNo
     for p in projections:
         bias = p.bias if p.bias is not None else torch.empty(0)
         weights += [p.values, p.scales, p.offsets, bias]
-        formats += [p.out_features, p.bits]
+        formats += [p.out_features, p.format]
     return FusedDecodeLayer(kernels, weights, formats, num_heads, num_kv_heads, input_norm.eps, scale)
 
 

@@ -13,7 +13,7 @@ without a compiler, the weight is dequantised once and the dense layer runs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -22,6 +22,8 @@ from torch import nn
 from specfork.layers.cpu_kernels import kernels as native_kernels
 
 Q4, Q8 = 4, 8
+INPUT_BITS = (16, 8)  # how finely the native kernel rounds activations (csrc/quant_gemm.cpp)
+INT8_INPUTS = 16  # the kernel's format flag for int8 activations
 GGUF_BLOCK = 32
 MAX_GROUP = 128  # the native kernel's limit (csrc/quant_gemm.cpp, kMaxGroup)
 
@@ -33,6 +35,7 @@ class QuantizedWeight:
     offset: torch.Tensor  # [N, K / group] float32
     bits: int  # 4 or 8
     source: str  # "q4_0", "q4_1", "q8_0", "int4" (quantised at load)
+    input_bits: int = 16  # the native kernel rounds each group of activations to int16, or int8 (INPUT_BITS)
 
     @property
     def shape(self) -> torch.Size:
@@ -53,15 +56,15 @@ class QuantizedWeight:
         return torch.addcmul(o, self.q.to(torch.float32), d)
 
     def rows(self, index: torch.Tensor) -> QuantizedWeight:
-        return QuantizedWeight(self.q[index], self.scale[index], self.offset[index], self.bits, self.source)
+        return replace(self, q=self.q[index], scale=self.scale[index], offset=self.offset[index])
 
     def columns(self, start: int, stop: int) -> QuantizedWeight:
         """Inputs ``start..stop``, both on group boundaries (a tensor-parallel row split)."""
         g = self.group
         if start % g or stop % g:
             raise ValueError(f"inputs {start}..{stop} cut a quantisation group of {g} inputs")
-        return QuantizedWeight(self.q[:, start:stop].contiguous(), self.scale[:, start // g : stop // g].contiguous(),
-                               self.offset[:, start // g : stop // g].contiguous(), self.bits, self.source)
+        return replace(self, q=self.q[:, start:stop].contiguous(), scale=self.scale[:, start // g : stop // g].contiguous(),
+                       offset=self.offset[:, start // g : stop // g].contiguous())
 
     def to(self, device=None, dtype=None) -> QuantizedWeight | torch.Tensor:
         """Stays quantised on CPU in float32 (the native path); anything else gets dense weights."""
@@ -77,11 +80,12 @@ class QuantizedWeight:
             parts = list(args[0])
             dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
             if dim == 0 and all(isinstance(p, QuantizedWeight) for p in parts):
-                same = {(p.bits, p.group) for p in parts}
+                same = {(p.bits, p.group, p.input_bits) for p in parts}
                 if len(same) == 1:
                     return QuantizedWeight(
                         torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
                         torch.cat([p.offset for p in parts]), parts[0].bits, "+".join(sorted({p.source for p in parts})),
+                        parts[0].input_bits,
                     )
             dense = [p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts]
             return torch.cat(dense, dim=dim)
@@ -142,20 +146,22 @@ class QuantizedLinear(nn.Module):
         self._kernels = kernels
         self.source = weight.source
         self.bits = weight.bits
+        self.input_bits = weight.input_bits
+        self.format = weight.bits | (INT8_INPUTS if weight.input_bits == 8 else 0)  # the kernel's format code
         self.out_features, self.in_features = weight.shape
         self.weight_bytes = weight.nbytes
-        values, scales, offsets = kernels.pack_quantized(weight.q, weight.scale, weight.offset, weight.bits)
+        values, scales, offsets = kernels.pack_quantized(weight.q, weight.scale, weight.offset, self.format)
         self.values = nn.Parameter(values, requires_grad=False)
         self.scales = nn.Parameter(scales, requires_grad=False)
         self.offsets = nn.Parameter(offsets, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._kernels.quant_linear(x, self.values, self.scales, self.offsets, self.out_features, self.bits,
+        return self._kernels.quant_linear(x, self.values, self.scales, self.offsets, self.out_features, self.format,
                                           self.bias)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, {self.source}"
+        return f"in={self.in_features}, out={self.out_features}, {self.source}, int{self.input_bits} inputs"
 
 
 def quantized_linear(weight: QuantizedWeight, bias: torch.Tensor | None) -> nn.Module | None:
@@ -167,4 +173,6 @@ def quantized_linear(weight: QuantizedWeight, bias: torch.Tensor | None) -> nn.M
         return None
     if weight.group % 2 or weight.group > MAX_GROUP:
         return None
+    if weight.input_bits == 8 and weight.group % 4:  # int8 inputs go by quads; this layer keeps int16
+        weight = replace(weight, input_bits=16)
     return QuantizedLinear(weight, bias, kernels)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -53,7 +53,8 @@ def load_model(
     """Load ``model`` (alias, HF dir or GGUF file) onto ``device`` in ``dtype``.
 
     ``weights``: "native" keeps a GGUF's Q4_0/Q4_1/Q8_0 matrices quantised (run by the native
-    kernel on CPU in float32); "fp32" dequantises everything at load. ``quantize_group``
+    kernel on CPU in float32, activations rounded to int16), "native-int8" the same with int8
+    activations; "fp32" dequantises everything at load. ``quantize_group``
     quantises the projection matrices of an HF checkpoint to 4 bits in groups of that many inputs.
     ``with_tokenizer=False`` skips the tokenizer (a drafter that only sees token ids). ``shard``:
     build only that tensor-parallel rank's part of the model (``LoadedModel.arch`` stays the
@@ -98,7 +99,7 @@ def _read(location: CheckpointLocation, *, with_tokenizer: bool, native: bool):
 def _load(model: str, *, device: torch.device, dtype: torch.dtype, max_positions: int | None, weights: str,
           quantize_group: int | None, with_tokenizer: bool, shard: TensorShard | None = None) -> LoadedModel:
     location, arch, tokenizer, read_tensors = _read(
-        resolve_checkpoint(model), with_tokenizer=with_tokenizer, native=weights == "native"
+        resolve_checkpoint(model), with_tokenizer=with_tokenizer, native=weights.startswith("native")
     )
     tensors = read_tensors()
     if location.format is not CheckpointFormat.GGUF and quantize_group is not None and device.type == "cpu" \
@@ -108,9 +109,11 @@ def _load(model: str, *, device: torch.device, dtype: torch.dtype, max_positions
         for name, t in list(tensors.items()):
             if name.endswith("proj.weight") and t.dim() == 2 and t.shape[1] % quantize_group == 0:
                 tensors[name] = quantize_int4(t, quantize_group)
-    if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in arch.eos_token_ids:
-        from dataclasses import replace
+    if weights == "native-int8":
+        from specfork.layers.quantized import QuantizedWeight
 
+        tensors = {n: replace(t, input_bits=8) if isinstance(t, QuantizedWeight) else t for n, t in tensors.items()}
+    if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in arch.eos_token_ids:
         arch = replace(arch, eos_token_ids=arch.eos_token_ids + (tokenizer.eos_token_id,))
 
     def take(name: str) -> torch.Tensor | None:

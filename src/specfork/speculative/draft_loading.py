@@ -70,9 +70,10 @@ def load_head(spec: DraftSpec, device: torch.device, target: LoadedModel):
     from specfork.loading.eagle3 import load_eagle3_head
 
     options = spec.load_options
-    # A head's step must cost a small fraction of a target step: under "native" weights its
-    # projections run the int4 kernel (groups of 32 unless --quantize-group says otherwise).
-    group = options["quantize_group"] or (32 if options["weights"] == "native" else None)
+    # A head's step must cost a small fraction of a target step: under native weights its
+    # projections run the int4 kernel (groups of 32 unless --quantize-group says otherwise; int16
+    # activations under native-int8 too).
+    group = options["quantize_group"] or (32 if options["weights"].startswith("native") else None)
     return load_eagle3_head(spec.path, target, device=device, quantize_group=group)
 
 

@@ -15,12 +15,20 @@
 // (the last sum over the float inputs). Centring on c halves the rounding error for Q4: each input's
 // error (at most s / 2) is multiplied by |q - c| <= 8 instead of q <= 15.
 //
+// With int8 activations (format flag kInt8Inputs, --weights native-int8) the rounding is to int8
+// (s = max|x| / 127, as llama.cpp does: 256 times coarser, about 3e-2 of the largest logit on the
+// embedded model) and the integer products are summed four at a time: vpdpbusd (VNNI) multiplies
+// 64 byte pairs per instruction where vpdpwssd multiplies 32 int16 pairs, so a verification window
+// or a batch costs about a third fewer multiply-add instructions. Everything else is the same.
+//
 // Layout (made by pack_quantized, weights unchanged): tiles of 32 outputs; per tile and pair of inputs
 // (k, k + 1) one "unit" of 16-bit lanes, lane 2p + e holding q[j, k + e] for output j = 8f + p, where
 // f = 0..3 picks the field: Q4 packs the four fields as the four nibbles of each lane (32 bytes per
 // unit), Q8 as the low and high bytes of two 32-byte halves (64 bytes per unit). vpmaddwd of field f
 // with the broadcast pair (xq_k, xq_k+1) then yields the 8 partial sums of outputs 8f..8f+7. Scales
-// and offsets are fp32 [tiles, groups, 32].
+// and offsets are fp32 [tiles, groups, 32]. For int8 activations a unit holds a quad of inputs
+// (k .. k + 3): byte 4i + e is input k + e of output i (Q4: low nibble; high nibble: output 16 + i;
+// Q8: outputs 16..31 in a second 64 bytes), so a 512-bit register is 16 outputs x 4 inputs.
 //
 // Integer sums are exact, and the float epilogue runs in the same order for every row, so a row's
 // result never depends on how many other rows share the call (batch-invariant by construction), and
@@ -35,6 +43,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -43,27 +52,46 @@ namespace {
 
 constexpr int64_t kTile = 32;        // output columns per tile
 constexpr int64_t kMaxGroup = 128;   // largest quantisation group (inputs sharing one scale)
-constexpr float kInt16Max = 32767.0f;
 
-enum Format : int64_t { kQ4 = 4, kQ8 = 8 };
+// The format of a packed weight: its bits, plus kInt8Inputs when the activations are rounded to
+// int8 rather than int16 (the weights are then packed by input quads, see pack_quantized).
+constexpr int64_t kInt8Inputs = 16;
+enum Format : int64_t { kQ4 = 4, kQ8 = 8, kQ4i8 = kQ4 | kInt8Inputs, kQ8i8 = kQ8 | kInt8Inputs };
+
+bool known_format(int64_t format) { return format == kQ4 || format == kQ8 || format == kQ4i8 || format == kQ8i8; }
 
 template <int FMT>
-constexpr int64_t unit_bytes() { return FMT == kQ4 ? 32 : 64; }
+constexpr bool int8_inputs() { return (FMT & kInt8Inputs) != 0; }
 
 template <int FMT>
-constexpr int32_t kCentre = FMT == kQ4 ? 8 : 0;  // c: the weights' integer zero
+constexpr bool q4() { return (FMT & ~kInt8Inputs) == kQ4; }
 
-// The int16 pair (xq[2kp], xq[2kp + 1]) as one int32, for broadcasting.
-inline int32_t input_pair(const int16_t* xq, int64_t kp) {
+// Inputs per unit (a pair of int16 activations, or a quad of int8 ones) and the unit's bytes.
+template <int FMT>
+constexpr int64_t unit_inputs() { return int8_inputs<FMT>() ? 4 : 2; }
+
+template <int FMT>
+constexpr int64_t unit_bytes() { return int8_inputs<FMT>() ? (q4<FMT>() ? 64 : 128) : (q4<FMT>() ? 32 : 64); }
+
+template <int FMT>
+constexpr int32_t kCentre = q4<FMT>() ? 8 : 0;  // c: the weights' integer zero
+
+// A row's rounded activations.
+template <int FMT>
+using Act = std::conditional_t<int8_inputs<FMT>(), int8_t, int16_t>;
+
+// The activations of unit i (an int16 pair or an int8 quad) as one int32, for broadcasting.
+template <typename A>
+inline int32_t input_unit(const A* xq, int64_t i) {
   int32_t v;
-  std::memcpy(&v, xq + 2 * kp, sizeof v);
+  std::memcpy(&v, xq + i * (4 / static_cast<int64_t>(sizeof(A))), sizeof v);
   return v;
 }
 
-// q of output 8f + p, input k + e, from a unit (portable path; lane = 2p + e).
+// q of output 8f + p, input k + e, from an int16-input unit (portable path; lane = 2p + e).
 template <int FMT>
 inline int32_t unit_value(const uint8_t* unit, int f, int lane) {
-  if constexpr (FMT == kQ4) {
+  if constexpr (q4<FMT>()) {
     const uint16_t v = static_cast<uint16_t>(unit[2 * lane] | (unit[2 * lane + 1] << 8));
     return (v >> (4 * f)) & 15;
   } else {
@@ -71,9 +99,16 @@ inline int32_t unit_value(const uint8_t* unit, int f, int lane) {
   }
 }
 
-// One call's operands (rows already rounded to int16, see quant_linear).
+// q of output j (0..31), input 4 kq + e, from an int8-input unit (portable path).
+template <int FMT>
+inline int32_t quad_value(const uint8_t* unit, int j, int e) {
+  if constexpr (q4<FMT>()) return (unit[4 * (j % 16) + e] >> (4 * (j / 16))) & 15;
+  else return static_cast<int8_t>(unit[(j / 16) * 64 + 4 * (j % 16) + e]);
+}
+
+// One call's operands (rows already rounded, see quant_linear).
 struct Gemm {
-  const int16_t* xq;
+  const void* xq;
   const int32_t* xqsum;
   const float* xscale;
   const float* xsum;
@@ -171,12 +206,15 @@ void run_isa(int64_t isa, const Gemm& a, int64_t t0, int64_t t1) {
 // inputs -> (units [tiles, K / 2, 32 or 64] uint8, scales [tiles, K / G, 32], offsets [tiles, K / G, 32]).
 std::vector<torch::Tensor> pack_quantized(const torch::Tensor& q, const torch::Tensor& scale, const torch::Tensor& offset,
                                           int64_t format) {
-  TORCH_CHECK(format == kQ4 || format == kQ8, "pack_quantized: format must be 4 or 8");
+  TORCH_CHECK(known_format(format), "pack_quantized: format must be 4 or 8, plus 16 for int8 inputs");
+  const bool quads = format & kInt8Inputs, is_q4 = (format & ~kInt8Inputs) == kQ4;
   TORCH_CHECK(q.device().is_cpu() && q.element_size() == 1, "pack_quantized: q must be a CPU uint8/int8 tensor");
   TORCH_CHECK(q.dim() == 2 && scale.dim() == 2 && scale.size(1) > 0 && q.size(1) % scale.size(1) == 0,
               "pack_quantized: q must be [N, K] and scale [N, K / G]");
   const int64_t n = q.size(0), k = q.size(1), groups = scale.size(1);
-  TORCH_CHECK(k % 2 == 0 && (k / groups) % 2 == 0, "pack_quantized: groups must have an even number of inputs");
+  const int64_t per_unit = quads ? 4 : 2;
+  TORCH_CHECK(k % per_unit == 0 && (k / groups) % per_unit == 0, "pack_quantized: groups must hold a multiple of ",
+              per_unit, " inputs");
   const int64_t tiles = (n + kTile - 1) / kTile;
   TORCH_CHECK(scale.size(0) == n && offset.sizes() == scale.sizes(), "pack_quantized: scale and offset must be [N, K / G]");
   // One pass of plain loops, parallel over tiles (a model's worth of weights packs in well under a
@@ -187,8 +225,9 @@ std::vector<torch::Tensor> pack_quantized(const torch::Tensor& q, const torch::T
   const uint8_t* qv = reinterpret_cast<const uint8_t*>(qc.data_ptr());  // Q4: 0..15, Q8: int8 bits
   const float* sv = sc.data_ptr<float>();
   const float* ov = oc.data_ptr<float>();
-  const int64_t ub = format == kQ4 ? unit_bytes<kQ4>() : unit_bytes<kQ8>();
-  auto units = torch::zeros({tiles, k / 2, ub}, torch::kUInt8);
+  const int64_t ub = quads ? (is_q4 ? unit_bytes<kQ4i8>() : unit_bytes<kQ8i8>())
+                           : (is_q4 ? unit_bytes<kQ4>() : unit_bytes<kQ8>());
+  auto units = torch::zeros({tiles, k / per_unit, ub}, torch::kUInt8);
   auto s = torch::zeros({tiles, groups, kTile}, torch::kFloat32);
   auto o = torch::zeros({tiles, groups, kTile}, torch::kFloat32);
   uint8_t* uv = units.data_ptr<uint8_t>();
@@ -203,8 +242,8 @@ std::vector<torch::Tensor> pack_quantized(const torch::Tensor& q, const torch::T
         for (int64_t g = 0; g < groups; ++g) {
           const float d = sv[row * groups + g];
           sp[(t * groups + g) * kTile + j] = d;
-          op[(t * groups + g) * kTile + j] = format == kQ4 ? ov[row * groups + g] + 8.0f * d  // o' = o + 8d
-                                                           : ov[row * groups + g];
+          op[(t * groups + g) * kTile + j] = is_q4 ? ov[row * groups + g] + 8.0f * d  // o' = o + 8d
+                                                   : ov[row * groups + g];
         }
       }
       // Value of output 8f + p (of this tile), input i; zero past the last row.
@@ -212,13 +251,28 @@ std::vector<torch::Tensor> pack_quantized(const torch::Tensor& q, const torch::T
         const int64_t row = t * kTile + 8 * f + p;
         return row < n ? qv[row * k + i] : 0;
       };
-      uint8_t* tile_units = uv + t * (k / 2) * ub;
+      uint8_t* tile_units = uv + t * (k / per_unit) * ub;
+      if (quads) {  // byte 4 i + e of a unit: input 4 kq + e of output i (Q4: low nibble) and 16 + i (high)
+        for (int64_t kq = 0; kq < k / 4; ++kq) {
+          uint8_t* unit = tile_units + kq * ub;
+          for (int64_t i = 0; i < 16; ++i)
+            for (int64_t e = 0; e < 4; ++e) {
+              if (is_q4) {
+                unit[4 * i + e] = static_cast<uint8_t>(value(0, i, 4 * kq + e) | (value(2, i, 4 * kq + e) << 4));
+              } else {  // Q8: outputs 0..15 in the first 64 bytes, 16..31 in the next
+                unit[4 * i + e] = value(0, i, 4 * kq + e);
+                unit[64 + 4 * i + e] = value(2, i, 4 * kq + e);
+              }
+            }
+        }
+        continue;
+      }
       for (int64_t kp = 0; kp < k / 2; ++kp) {
         uint8_t* unit = tile_units + kp * ub;
         for (int64_t p = 0; p < 8; ++p) {
           for (int64_t e = 0; e < 2; ++e) {
             const int64_t lane = 2 * p + e, i = 2 * kp + e;
-            if (format == kQ4) {  // little-endian 16-bit lane: nibbles f = 0, 1 in the low byte, 2, 3 in the high
+            if (is_q4) {  // little-endian 16-bit lane: nibbles f = 0, 1 in the low byte, 2, 3 in the high
               unit[2 * lane] = static_cast<uint8_t>(value(0, p, i) | (value(1, p, i) << 4));
               unit[2 * lane + 1] = static_cast<uint8_t>(value(2, p, i) | (value(3, p, i) << 4));
             } else {  // field f at byte (f / 2) * 32 + 2 lane + f % 2
@@ -271,18 +325,22 @@ torch::Tensor quant_linear_impl(const torch::Tensor& x_in, const torch::Tensor& 
                                 const torch::Tensor& offsets, int64_t n_out, int64_t format,
                                 const c10::optional<torch::Tensor>& bias, int64_t isa) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat32, "quant_linear: 2-D float32 input");
-  TORCH_CHECK(format == kQ4 || format == kQ8, "quant_linear: format must be 4 or 8");
+  TORCH_CHECK(known_format(format), "quant_linear: format must be 4 or 8, plus 16 for int8 inputs");
   const auto x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1), tiles = units.size(0);
-  const int64_t bytes = format == kQ4 ? unit_bytes<kQ4>() : unit_bytes<kQ8>();
-  TORCH_CHECK(units.dim() == 3 && units.size(1) * 2 == K && units.size(2) == bytes && units.is_contiguous(),
+  const bool quads = format & kInt8Inputs, is_q4 = (format & ~kInt8Inputs) == kQ4;
+  const int64_t per_unit = quads ? 4 : 2;
+  const int64_t bytes = quads ? (is_q4 ? unit_bytes<kQ4i8>() : unit_bytes<kQ8i8>())
+                              : (is_q4 ? unit_bytes<kQ4>() : unit_bytes<kQ8>());
+  TORCH_CHECK(units.dim() == 3 && units.size(1) * per_unit == K && units.size(2) == bytes && units.is_contiguous(),
               "quant_linear: input has ", K, " features, packed weight is ", units.sizes());
   TORCH_CHECK(scales.dim() == 3 && scales.is_contiguous() && offsets.is_contiguous() && scales.size(0) == tiles &&
                   scales.size(2) == kTile && offsets.sizes() == scales.sizes() && K % scales.size(1) == 0,
               "quant_linear: bad scales");
   TORCH_CHECK(n_out <= tiles * kTile, "quant_linear: n_out too large");
   const int64_t groups = scales.size(1), group = K / groups;
-  TORCH_CHECK(group % 2 == 0 && group <= kMaxGroup, "quant_linear: groups of ", group, " inputs are not supported");
+  TORCH_CHECK(group % per_unit == 0 && group <= kMaxGroup, "quant_linear: groups of ", group,
+              " inputs are not supported");
   auto y = torch::empty({M, n_out}, x.options());
   const float* xp = x.data_ptr<float>();
   torch::Tensor b;
@@ -292,41 +350,46 @@ torch::Tensor quant_linear_impl(const torch::Tensor& x_in, const torch::Tensor& 
     TORCH_CHECK(b.numel() == n_out && b.scalar_type() == torch::kFloat32, "quant_linear: bad bias");
     bp = b.data_ptr<float>();
   }
-  // Per row and group: int16 activations, their scale, and the sum of the float inputs (sequential,
-  // so the same for any batch). A group holding inf or NaN gets a NaN scale, so it propagates.
-  auto xq_t = torch::empty({M, K}, x.options().dtype(torch::kInt16));
+  // Per row and group: the activations rounded to int16 (or int8), their scale, the sum of the
+  // rounded values and the sum of the float inputs (sequential, so the same for any batch). A
+  // group holding inf or NaN gets a NaN scale, so it propagates.
+  auto xq_t = torch::empty({M, K}, x.options().dtype(quads ? torch::kInt8 : torch::kInt16));
   auto stats = torch::empty({2, M, groups}, x.options());
   auto xqsum_t = torch::empty({M, groups}, x.options().dtype(torch::kInt32));
-  int16_t* xq = xq_t.data_ptr<int16_t>();
   int32_t* xqsum = xqsum_t.data_ptr<int32_t>();
   float* xscale = stats.data_ptr<float>();
   float* xsum = xscale + M * groups;
-  // Rows in parallel once there are many (batched decoding); each row's arithmetic is unchanged.
-  at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
-  for (int64_t m = m0; m < m1; ++m)
-    for (int64_t g = 0; g < groups; ++g) {
-      const float* xg = xp + m * K + g * group;
-      float amax = 0.0f, total = 0.0f;
-      bool finite = true;
-      for (int64_t kk = 0; kk < group; ++kk) {
-        amax = std::max(amax, std::fabs(xg[kk]));
-        total += xg[kk];
-        finite = finite && std::isfinite(xg[kk]);
-      }
-      const float inv = amax > 0.0f && finite ? kInt16Max / amax : 0.0f;
-      int16_t* qg = xq + m * K + g * group;
-      int32_t qsum = 0;
-      for (int64_t kk = 0; kk < group; ++kk) {
-        qg[kk] = static_cast<int16_t>(std::nearbyint(xg[kk] * inv));
-        qsum += qg[kk];
-      }
-      xqsum[m * groups + g] = qsum;
-      xscale[m * groups + g] = finite ? amax / kInt16Max : std::numeric_limits<float>::quiet_NaN();
-      xsum[m * groups + g] = total;
-    }
-  });
-  const Gemm gemm{xq, xqsum, xscale, xsum, M, K, groups, group, units.data_ptr<uint8_t>(), scales.data_ptr<float>(),
-                  offsets.data_ptr<float>(), y.data_ptr<float>(), n_out, bp, format};
+  const float top = quads ? 127.0f : 32767.0f;
+  const auto round_rows = [&](auto* xq) {
+    // Rows in parallel once there are many (batched decoding); each row's arithmetic is unchanged.
+    at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m)
+        for (int64_t g = 0; g < groups; ++g) {
+          const float* xg = xp + m * K + g * group;
+          float amax = 0.0f, total = 0.0f;
+          bool finite = true;
+          for (int64_t kk = 0; kk < group; ++kk) {
+            amax = std::max(amax, std::fabs(xg[kk]));
+            total += xg[kk];
+            finite = finite && std::isfinite(xg[kk]);
+          }
+          const float inv = amax > 0.0f && finite ? top / amax : 0.0f;
+          auto* qg = xq + m * K + g * group;
+          int32_t qsum = 0;
+          for (int64_t kk = 0; kk < group; ++kk) {
+            qg[kk] = static_cast<std::remove_pointer_t<decltype(xq)>>(std::nearbyint(xg[kk] * inv));
+            qsum += qg[kk];
+          }
+          xqsum[m * groups + g] = qsum;
+          xscale[m * groups + g] = finite ? amax / top : std::numeric_limits<float>::quiet_NaN();
+          xsum[m * groups + g] = total;
+        }
+    });
+  };
+  if (quads) round_rows(xq_t.data_ptr<int8_t>());
+  else round_rows(xq_t.data_ptr<int16_t>());
+  const Gemm gemm{xq_t.data_ptr(), xqsum, xscale, xsum, M, K, groups, group, units.data_ptr<uint8_t>(),
+                  scales.data_ptr<float>(), offsets.data_ptr<float>(), y.data_ptr<float>(), n_out, bp, format};
   at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) { run_isa(isa, gemm, t0, t1); });
   return y;
 }
