@@ -158,6 +158,18 @@ def test_bench_cli_sweep_and_all_rows(tiny, tmp_path, capsys):
     assert "specfork sd k=2" in capsys.readouterr().out
 
 
+def test_bench_sweeps_lookup_first(tiny, tmp_path, capsys):
+    """--sweep lookup_first=0,2 runs SD with the draft alone and with prompt lookup first, labelled."""
+    out = tmp_path / "lookup"
+    code = main(["bench", "--model", tiny, "--draft", tiny, "--modes", "sd", "--datasets", "random", "--input-len", "8",
+                 "--num-prompts", "1", "--output-len", "6", "--k", "2", "--sweep", "lookup_first=0,2", "--warmup", "0",
+                 "--out", str(out), "--no-progress"])
+    assert code == 0
+    report = json.loads((out / "results.json").read_text())
+    assert [r["settings"].get("lookup_first") for r in report["results"]] == [None, 2]
+    assert "specfork sd k=2 lookup_first=2" in capsys.readouterr().out
+
+
 def test_bench_sweeps_the_weights_option(tiny, tmp_path, capsys):
     """--sweep weights=native,native-int8 runs AR both ways (int8 activations), each row labelled."""
     out = tmp_path / "weights"

@@ -84,6 +84,10 @@ class Config:
                                      "SSD's branches always have --k)", group=SPECULATIVE)
     ngram_min: int = option(1, "shortest n-gram matched by --drafter ngram", group=SPECULATIVE)
     ngram_max: int = option(4, "longest n-gram matched by --drafter ngram", group=SPECULATIVE)
+    lookup_first: int = option(0, "SD with a draft model or EAGLE-3 head: where the context's last N tokens (up to "
+                               "--ngram-max) occurred earlier, propose what followed them (prompt lookup) instead of "
+                               "drafting; the draft proposes elsewhere (0: off; 3 suits code and quoting answers)",
+                               group=SPECULATIVE)
     deterministic: bool = option(False, "batch-invariant kernels: greedy SD/SSD output is bit-identical to AR "
                                  "output (the default fast mode may differ at numerical near-ties; slower)",
                                  group=SPECULATIVE)
@@ -167,6 +171,7 @@ class Config:
         _positive("ngram_max", self.ngram_max)
         if self.ngram_min > self.ngram_max:
             raise SpecforkError(f"ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})")
+        self._check_lookup_first()
         if self.draft is not None and (not isinstance(self.draft, str) or not self.draft):
             raise SpecforkError("draft must be a non-empty path or alias")
         if not isinstance(self.deterministic, bool):
@@ -201,6 +206,19 @@ class Config:
             raise SpecforkError(f"quantize must be one of {', '.join(QUANTIZE)} or None, got {self.quantize!r}")
         if self.quantize_group not in QUANTIZE_GROUPS:
             raise SpecforkError(f"quantize_group must be one of {QUANTIZE_GROUPS}, got {self.quantize_group!r}")
+
+    def _check_lookup_first(self) -> None:
+        n = self.lookup_first
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise SpecforkError(f"lookup_first must be an integer >= 0 (0: off), got {n!r}")
+        if n == 0:
+            return
+        if self.mode != "sd" or self.drafter != "draft":
+            raise SpecforkError("lookup_first puts prompt lookup before a draft model or EAGLE-3 head in SD "
+                                "(--mode sd --drafter draft); for lookup alone use --drafter ngram")
+        if n > self.ngram_max:
+            raise SpecforkError(f"lookup_first ({n}) must not exceed ngram_max ({self.ngram_max}), the longest "
+                                "n-gram looked up")
 
     def _check_distributed(self) -> None:
         _positive("tensor_parallel_size", self.tensor_parallel_size)

@@ -62,7 +62,8 @@ def _engine_options(mode: str, s: BenchSettings) -> dict:
     options = {"threads": s.threads, "max_num_seqs": max(s.batch_size, 1), "tensor_parallel_size": s.tensor_parallel_size,
                "weights": s.weights}
     if mode == "sd":
-        options.update(mode="sd", draft=s.draft, k=s.k, draft_confidence=s.draft_confidence)
+        options.update(mode="sd", draft=s.draft, k=s.k, draft_confidence=s.draft_confidence,
+                       lookup_first=s.lookup_first)
     elif mode == "ngram":
         options.update(mode="sd", drafter="ngram", k=s.k)
     elif mode == "ssd":
@@ -139,6 +140,8 @@ def _cell_settings(mode: str, s: BenchSettings) -> dict:
         keep |= {"k"}
     if mode == "sd" and s.draft_confidence:
         keep |= {"draft_confidence"}
+    if mode == "sd" and s.lookup_first:
+        keep |= {"lookup_first"}
     if mode == "ssd":
         keep |= {"fan_out", "backup"} | ({"ssd_drafter"} if s.ssd_drafter != "process" else set())
     if s.tensor_parallel_size != 1:

@@ -13,7 +13,7 @@ MODES = ("ar", "sd", "ssd", "ngram")
 DATASETS = ("humaneval", "sharegpt", "random")
 PEERS = ("transformers", "llama.cpp")
 SSD_DRAFTERS = ("process", "rank")
-SWEEPABLE = {"k": int_or_auto, "draft_confidence": float, "fan_out": int, "temperature": float, "input_len": int,
+SWEEPABLE = {"k": int_or_auto, "draft_confidence": float, "lookup_first": int, "fan_out": int, "temperature": float, "input_len": int,
              "batch_size": int, "dataset": str, "tensor_parallel_size": int, "ssd_drafter": str, "weights": str}
 
 
@@ -38,6 +38,8 @@ class BenchSettings:
                           "costs)", parse=int_or_auto)
     draft_confidence: float = option(0.0, "SD with an EAGLE-3 head: end a chain when the head's probability of it "
                                      "falls below this (0: always k)")
+    lookup_first: int = option(0, "SD with a draft or head: prompt lookup of the context's last N.."
+                               "--ngram-max tokens proposes where it finds them, the draft elsewhere (0: off)")
     fan_out: int = option(3, "SSD fan-out per outcome")
     backup: str = option("jit", "SSD cache-miss backup", choices=SSD_BACKUPS)
     batch_size: int = option(1, "concurrent requests")
@@ -80,6 +82,8 @@ class BenchSettings:
         for name in ("num_prompts", "output_len", "fan_out", "batch_size", "repeat", "tensor_parallel_size") + (("k",) if self.k != "auto" else ()):
             if getattr(self, name) < 1:
                 raise SpecforkError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if isinstance(self.lookup_first, bool) or not isinstance(self.lookup_first, int) or self.lookup_first < 0:
+            raise SpecforkError(f"lookup_first must be an integer >= 0 (0: off), got {self.lookup_first!r}")
         if self.warmup < 0:
             raise SpecforkError(f"warmup must be >= 0, got {self.warmup}")
         if self.input_len is not None and self.input_len < 1:

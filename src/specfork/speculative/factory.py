@@ -18,6 +18,7 @@ from specfork.speculative.draft_loading import (
 )
 from specfork.speculative.draft_model import DraftModelProposer
 from specfork.speculative.eagle3_proposer import Eagle3Proposer
+from specfork.speculative.lookup_first import LookupFirstProposer
 from specfork.speculative.ngram import NgramProposer
 from specfork.speculative.sd_step import SpeculativeStep
 
@@ -30,6 +31,8 @@ def build_speculative_step(engine: LLMEngine) -> SpeculativeStep:
         proposer = NgramProposer(min_n=config.ngram_min, max_n=config.ngram_max)
     else:
         proposer = _proposer(engine, draft_spec(config, engine.loaded))
+        if config.lookup_first:
+            proposer = LookupFirstProposer(proposer, min_n=config.lookup_first, max_n=config.ngram_max)
     auto_k = None
     if config.auto_k:
         from specfork.config import K_MAX

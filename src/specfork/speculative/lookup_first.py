@@ -1,0 +1,69 @@
+"""Prompt lookup first, the draft elsewhere (SD): where the context's last n tokens occurred
+earlier, propose what followed them (:func:`specfork.speculative.ngram.ngram_lookup`, n from
+``max_n`` down to ``min_n``); every other sequence of the round is drafted by the wrapped
+proposer (a draft model or an EAGLE-3 head).
+
+Why: on code and on answers that quote their prompt the target copies whole spans, which a
+lookup proposes exactly and a small draft often misses; elsewhere the draft still proposes.
+
+Exactness: which source proposes for a sequence depends on its tokens alone, never on a random
+draw, and each proposal carries the distribution it came from: the draft's q, or one-hot for a
+lookup (a deterministic proposal). Verification is then exact for either.
+
+The wrapped proposer keeps seeing every kept position (the target's features, the accepted
+counts), so it catches up over lookup rounds as over its own: a head runs the new features
+before its next chain, a draft model feeds the uncached tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specfork.engine.sequence import Sequence
+from specfork.speculative.ngram import ngram_lookup
+from specfork.speculative.proposer import Proposal, Proposer
+
+
+class LookupFirstProposer:
+    def __init__(self, draft: Proposer, *, min_n: int, max_n: int) -> None:
+        self.draft = draft
+        self.min_n, self.max_n = min_n, max_n
+        self.feature_layers = draft.feature_layers
+        self.rounds_looked_up = 0  # sequence-rounds proposed by lookup
+        self.rounds_drafted = 0  # sequence-rounds proposed by the draft
+
+    def observe_features(self, seq: Sequence, first_position: int, features: torch.Tensor) -> None:
+        self.draft.observe_features(seq, first_position, features)
+
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
+        tokens = [ngram_lookup(s.token_ids, min_n=self.min_n, max_n=self.max_n, k=k)
+                  for s, k in zip(seqs, num_tokens, strict=True)]
+        rest = [i for i, (t, k) in enumerate(zip(tokens, num_tokens, strict=True)) if not t and k > 0]
+        self.rounds_looked_up += sum(1 for t in tokens if t)
+        self.rounds_drafted += len(rest)
+        if not rest:
+            return Proposal(tokens, None)
+        drafted = self.draft.propose([seqs[i] for i in rest], [num_tokens[i] for i in rest])
+        for j, i in enumerate(rest):
+            tokens[i] = drafted.tokens[j]
+        if drafted.probs is None:  # every row deterministic or greedy
+            return Proposal(tokens, None)
+        probs = torch.zeros(len(seqs), max(len(t) for t in tokens), drafted.probs.shape[-1],
+                            device=drafted.probs.device)
+        drafted_rows = set(rest)
+        for i, t in enumerate(tokens):
+            if t and i not in drafted_rows:  # a lookup: one-hot q
+                probs[i, torch.arange(len(t)), torch.tensor(t)] = 1.0
+        for j, i in enumerate(rest):
+            n = len(tokens[i])
+            probs[i, :n] = drafted.probs[j, :n]
+        return Proposal(tokens, probs)
+
+    def accepted(self, seq: Sequence, num_accepted: int) -> None:
+        self.draft.accepted(seq, num_accepted)
+
+    def release(self, seq: Sequence) -> None:
+        self.draft.release(seq)
+
+    def draft_step_seconds(self) -> float:
+        return self.draft.draft_step_seconds()

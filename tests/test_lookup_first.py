@@ -1,0 +1,119 @@
+"""Prompt lookup first, the draft elsewhere (``--lookup-first N``): which source proposes, the q
+each proposal carries, greedy output equal to AR with a head and with a draft model, and the
+target's exact distribution when sampling with both sources in play."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from eagle3_heads import HEAD_DRAFT_IDS as DRAFT_IDS
+from eagle3_heads import head_models
+from lossless import NUM_TOKENS, PROMPT, SETTINGS, check, exact_joint, marginal, ssd_models
+
+from specfork import LLM, SamplingParams
+from specfork.config import Config
+from specfork.engine.sequence import Sequence
+from specfork.errors import SpecforkError
+from specfork.speculative.lookup_first import LookupFirstProposer
+from specfork.speculative.proposer import Proposal, StatelessProposer
+
+V = 10
+
+
+class FixedDraft(StatelessProposer):
+    """Proposes [7, 8, 9][:k] with q = uniform over 8 tokens for sampled sequences."""
+
+    def __init__(self) -> None:
+        self.asked: list[list[int]] = []
+
+    def propose(self, seqs, num_tokens):
+        self.asked.append([s.seq_id for s in seqs])
+        tokens = [[7, 8, 9][:k] for k in num_tokens]
+        probs = [None if s.params.greedy else torch.full((len(t), V), 1 / 8) for s, t in zip(seqs, tokens, strict=True)]
+        return Proposal.of(tokens, probs, V, torch.device("cpu"))
+
+
+def _seq(seq_id: int, tokens: list[int], temperature: float) -> Sequence:
+    return Sequence(seq_id, tokens, SamplingParams(temperature=temperature), torch.Generator())
+
+
+def test_a_repeated_ngram_is_looked_up_and_the_rest_drafted_with_their_q():
+    draft = FixedDraft()
+    proposer = LookupFirstProposer(draft, min_n=2, max_n=4)
+    seqs = [
+        _seq(0, [1, 2, 3, 4, 1, 2], 1.0),  # [1, 2] occurred: lookup proposes 3, 4, 1
+        _seq(1, [1, 2, 3, 4, 5, 6], 1.0),  # no repeated 2-gram: drafted
+        _seq(2, [5, 1, 5, 1], 0.0),  # greedy lookup: what followed [5, 1], up to the end
+        _seq(3, [1, 2, 3, 3], 1.0),  # only a 1-gram repeats: below min_n, drafted
+    ]
+    proposal = proposer.propose(seqs, [3, 2, 3, 1])
+    assert proposal.tokens == [[3, 4, 1], [7, 8], [5, 1], [7]]
+    assert draft.asked == [[1, 3]]  # the draft saw only the sequences without a lookup
+    assert proposal.probs is not None
+    assert torch.equal(proposal.probs[0], torch.eye(V)[[3, 4, 1]])  # a lookup is a one-hot q
+    assert torch.allclose(proposal.probs[1, :2], torch.full((2, V), 1 / 8))
+    assert torch.allclose(proposal.probs[3, :1], torch.full((1, V), 1 / 8))
+    assert (proposer.rounds_looked_up, proposer.rounds_drafted) == (2, 2)
+
+
+def test_only_lookups_or_greedy_drafts_need_no_q():
+    proposer = LookupFirstProposer(FixedDraft(), min_n=1, max_n=4)
+    assert proposer.propose([_seq(0, [4, 4], 1.0)], [2]) == Proposal([[4]], None)
+    greedy = proposer.propose([_seq(1, [1, 2], 0.0), _seq(2, [3, 3, 5], 0.0)], [2, 0])
+    assert greedy.tokens == [[7, 8], []] and greedy.probs is None  # a zero budget is neither looked up nor drafted
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(mode="ar", lookup_first=2), "--mode sd --drafter draft"),
+    (dict(mode="sd", drafter="ngram", lookup_first=2), "--drafter ngram"),
+    (dict(mode="ssd", lookup_first=2), "--mode sd"),
+    (dict(mode="sd", lookup_first=5), "must not exceed ngram_max"),
+    (dict(mode="sd", lookup_first=-1), "integer >= 0"),
+    (dict(mode="sd", lookup_first=True), "integer >= 0"),
+])
+def test_lookup_first_is_refused_where_it_means_nothing(options, message):
+    with pytest.raises(SpecforkError, match=message.replace("-", r"\-")):
+        Config(**options)
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory):
+    return head_models(tmp_path_factory.mktemp("lookup_head"))
+
+
+@pytest.fixture(scope="module")
+def draft_model(tmp_path_factory):
+    return ssd_models(tmp_path_factory.mktemp("lookup_draft"))
+
+
+@pytest.mark.parametrize("drafter", ["head", "draft model"])
+@pytest.mark.parametrize("k, n", [(2, 1), (4, 2)])
+def test_greedy_sd_with_lookup_first_equals_ar(head, draft_model, drafter, k, n):
+    models = head if drafter == "head" else draft_model
+    prompts = [PROMPT * 2, [2, 4], [6, 1, 1, 0, 3, 6, 1], [5]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(models["target"], deterministic=True).generate(prompts, params)]
+    llm = LLM(models["target"], mode="sd", draft=models["draft"], k=k, lookup_first=n, deterministic=True)
+    for batch in ([prompts[0]], prompts):  # batch 1 and 4
+        assert [o.token_ids for o in llm.generate(batch, params)] == expected[: len(batch)]
+    proposer = llm.engine.step_strategy.proposer
+    assert proposer.rounds_looked_up > 0 and proposer.rounds_drafted > 0  # both sources proposed
+
+
+def test_sampling_with_lookups_and_a_reduced_vocabulary_head_is_lossless(head):
+    params_kw = SETTINGS["temperature"]
+    joint = exact_joint(head["hf_target"], SamplingParams(**params_kw), NUM_TOKENS)
+    outside = sum(p for tokens, p in marginal(joint, (0,)).items() if tokens[0] not in DRAFT_IDS)
+    assert outside > 0.1  # the target really produces tokens the head cannot propose
+    n = 6000
+    llm = LLM(head["target"], mode="sd", draft=head["draft"], k=3, lookup_first=2, max_num_seqs=512,
+              kv_cache_tokens=512 * 16)
+    outs = llm.generate([PROMPT] * n, [SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, seed=i, **params_kw)
+                                       for i in range(n)])
+    proposer = llm.engine.step_strategy.proposer
+    assert proposer.rounds_looked_up > n // 10 and proposer.rounds_drafted > n // 10
+    accepted = sum(o.metrics["draft_tokens_accepted"] for o in outs)
+    proposed = sum(o.metrics["draft_tokens_proposed"] for o in outs)
+    assert 0 < accepted < proposed
+    for name, (stat, dof, limit) in check([tuple(o.token_ids) for o in outs], joint).items():
+        assert stat < limit, f"{name}: chi2 {stat:.1f} >= {limit:.1f} (dof {dof})"
