@@ -182,3 +182,22 @@ def test_sd_with_a_reduced_vocabulary_head_is_lossless(lossless_models, setting)
     for name, (stat, dof, limit) in check([tuple(o.token_ids) for o in outs], joint).items():
         assert stat < limit, f"{setting} {name}: chi2 {stat:.1f} >= {limit:.1f} (dof {dof})"
     assert VOCAB == 8
+
+
+def test_a_head_joining_late_stops_quietly_and_a_gap_is_a_warning(caplog):
+    """A head taking over a sequence in flight (SSD's fallback) never saw its first features: it
+    drafts nothing for it, without a warning; a gap after features did arrive is a fault."""
+    from specfork.speculative.head_runner import HeadState
+
+    caplog.set_level("DEBUG", logger="specfork.speculative.head_runner")
+    late = HeadState()
+    late.observe(40, torch.zeros(2, 6), seq_id=1)
+    assert late.broken and not late.ready(43)
+    assert [r.levelname for r in caplog.records] == ["DEBUG"]
+    caplog.clear()
+    gap = HeadState()
+    gap.observe(0, torch.zeros(5, 6), seq_id=2)
+    assert gap.ready(6)
+    gap.observe(7, torch.zeros(1, 6), seq_id=2)
+    assert gap.broken and not gap.ready(8)
+    assert [r.levelname for r in caplog.records] == ["WARNING"]

@@ -45,8 +45,12 @@ class HeadState(DraftState):
         if self.broken or not len(features):
             return
         if first_position != self.clean + self.num_features:
-            logger.warning("EAGLE-3 head: features of sequence %d arrived out of order (position %d, expected %d); "
-                           "it gets no more drafts", seq_id, first_position, self.clean + self.num_features)
+            # A head taking over sequences in flight (SSD's in-process fallback) never saw their
+            # first features: expected, so said quietly; a gap later on is a fault.
+            joined_late = self.clean == 0 and self.num_features == 0
+            logger.log(logging.DEBUG if joined_late else logging.WARNING,
+                       "EAGLE-3 head: features of sequence %d arrived out of order (position %d, expected %d); "
+                       "it gets no more drafts", seq_id, first_position, self.clean + self.num_features)
             self.broken = True
             return
         self.features.append(features)
