@@ -53,7 +53,7 @@ class LookupFirstProposer:
         drafted_rows = set(rest)
         for i, t in enumerate(tokens):
             if t and i not in drafted_rows:  # a lookup: one-hot q
-                probs[i, torch.arange(len(t)), torch.tensor(t)] = 1.0
+                probs[i, torch.arange(len(t), device=probs.device), torch.tensor(t, device=probs.device)] = 1.0
         for j, i in enumerate(rest):
             n = len(tokens[i])
             probs[i, :n] = drafted.probs[j, :n]
