@@ -18,10 +18,10 @@ from builders import build_tiny_checkpoint
 from specfork import LLM, SamplingParams
 from specfork.errors import SpecforkError
 from specfork.loading.eagle3 import draft_to_target, load_eagle3_tensors, read_eagle3_config
-from specfork.training import pipeline
+from specfork.training import eagle3_pipeline, pipeline
 from specfork.training.data import Example
 from specfork.training.eagle3_features import FeatureStore, choose_draft_vocab
-from specfork.training.eagle3_head import Eagle3TrainHead, build_head, head_config, ttt_loss
+from specfork.training.eagle3_head import Eagle3TrainHead, build_head, head_config, target_head_rows, ttt_loss
 from specfork.training.eagle3_trainer import Eagle3Trainer, collate_features
 from specfork.training.pipeline import train_draft
 from specfork.training.settings import Eagle3Settings, TrainDraftJob, TrainSettings
@@ -123,10 +123,17 @@ def test_init_head_goes_on_from_a_saved_head_with_its_vocabulary(trained, exampl
     again = replace(job, output=tmp_path / "head", work_dir=tmp_path / "work",
                     train=replace(job.train, epochs=1.0),
                     eagle3=replace(job.eagle3, draft_vocab="auto", init_head=job.output))
-    second = _train(again, examples)
+    rows_used = []
+    with pytest.MonkeyPatch.context() as patch:  # the loss's target rows: the target's, not the saved head's
+        patch.setattr(eagle3_pipeline, "Eagle3Trainer",
+                      lambda head, store, ex, s, e, rows, *rest: rows_used.append(rows) or Eagle3Trainer(
+                          head, store, ex, s, e, rows, *rest))
+        second = _train(again, examples)
     saved = draft_to_target(load_eagle3_tensors(job.output), read_eagle3_config(job.output))
     continued = draft_to_target(load_eagle3_tensors(again.output), read_eagle3_config(again.output))
     assert torch.equal(continued, saved) and second["draft_vocab"]["size"] == DRAFT_VOCAB
+    target_model = LLM(str(job.target)).engine.loaded.model
+    assert torch.equal(rows_used[0], target_head_rows(target_model, saved))
     first_steps = torch.load(again.work_dir / "eagle3-checkpoints" / "last.pt", weights_only=True)["history"]
     middle = (result["first_loss"] + result["last_loss"]) / 2  # a fresh head starts at first_loss
     assert first_steps[0]["loss"] < middle, (first_steps[0], result["first_loss"], result["last_loss"])

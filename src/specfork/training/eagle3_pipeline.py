@@ -69,10 +69,12 @@ def train_eagle3(job: TrainDraftJob, command: str = "") -> dict:
                 len(vocab.ids), target.arch.vocab_size, 100 * vocab.coverage)
     torch.manual_seed(job.train.seed)
     head = build_head(target, config, vocab.ids)
+    # The target's LM-head rows of the draft vocabulary (a new head's LM head starts as them): the
+    # loss's target distributions. Taken before --init-head replaces the head's own weights.
+    target_rows = head.lm_head.weight.detach().clone()
     if init:
         head.load_state_dict(init.tensors)
         logger.info("starting from the weights of %s", e.init_head)
-    target_rows = head.lm_head.weight.detach().clone()  # the head's LM head starts as these rows
     del llm, target
     trainer = Eagle3Trainer(head, store, examples, job.train, e, target_rows, job.work_dir / "eagle3-checkpoints",
                             torch.device(job.device))
