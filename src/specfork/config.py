@@ -86,7 +86,7 @@ class Config:
     ngram_max: int = option(4, "longest n-gram matched by --drafter ngram", group=SPECULATIVE)
     lookup_first: int = option(0, "SD with a draft model or EAGLE-3 head: where the context's last N tokens (up to "
                                "--ngram-max) occurred earlier, propose what followed them (prompt lookup) instead of "
-                               "drafting; the draft proposes elsewhere (0: off; 3 suits code and quoting answers)",
+                               "drafting; the draft proposes elsewhere (0: off; 1-2 measured best on the embedded model)",
                                group=SPECULATIVE)
     deterministic: bool = option(False, "batch-invariant kernels: greedy SD/SSD output is bit-identical to AR "
                                  "output (the default fast mode may differ at numerical near-ties; slower)",
