@@ -34,7 +34,7 @@ from specfork.training.eagle3_features import (
     count_response_tokens,
     extract_features,
 )
-from specfork.training.eagle3_head import Eagle3TrainHead, build_head, head_config
+from specfork.training.eagle3_head import Eagle3TrainHead, build_head, head_config, target_head_rows
 from specfork.training.eagle3_trainer import Eagle3Trainer
 from specfork.training.pipeline import acceptance_check, save_draft_provenance, target_responses
 from specfork.training.settings import TrainDraftJob
@@ -69,9 +69,7 @@ def train_eagle3(job: TrainDraftJob, command: str = "") -> dict:
                 len(vocab.ids), target.arch.vocab_size, 100 * vocab.coverage)
     torch.manual_seed(job.train.seed)
     head = build_head(target, config, vocab.ids)
-    # The target's LM-head rows of the draft vocabulary (a new head's LM head starts as them): the
-    # loss's target distributions. Taken before --init-head replaces the head's own weights.
-    target_rows = head.lm_head.weight.detach().clone()
+    target_rows = target_head_rows(target.model, vocab.ids)  # the loss's target distributions come from these
     if init:
         head.load_state_dict(init.tensors)
         logger.info("starting from the weights of %s", e.init_head)
