@@ -1,4 +1,5 @@
 """Shared fixtures and hooks: the tiny random HF checkpoints of `builders.py` (built once per
+session), the lossless tests' target with an EAGLE-3 head and with a draft model (built once per
 session), transformers' model of the embedded GGUF, CUDA skips, and the process's cores and
 threads restored after every test."""
 
@@ -20,6 +21,23 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, TinyCheckpoint]:
 def tiny_checkpoint(request, tiny_checkpoints) -> TinyCheckpoint:
     """Parametrized over every tiny checkpoint."""
     return tiny_checkpoints[request.param]
+
+
+@pytest.fixture(scope="session")
+def head_pair(tmp_path_factory) -> dict:
+    """The lossless tests' 8-token target and a tiny reduced-vocabulary EAGLE-3 head
+    (``eagle3_heads.head_models``): paths "target", "draft", and the HF model "hf_target"."""
+    from eagle3_heads import head_models
+
+    return head_models(tmp_path_factory.mktemp("head_pair"))
+
+
+@pytest.fixture(scope="session")
+def draft_pair(tmp_path_factory) -> dict:
+    """The same target (seed 11) and a noisy copy of it as draft model (``lossless.ssd_models``)."""
+    from lossless import ssd_models
+
+    return ssd_models(tmp_path_factory.mktemp("draft_pair"))
 
 
 @pytest.fixture(scope="session")

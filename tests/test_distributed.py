@@ -15,9 +15,8 @@ import time
 
 import pytest
 import torch
-from eagle3_heads import head_models
 from helpers import assert_greedy_match, max_abs_diff, prefill_logits
-from lossless import NUM_TOKENS, PROMPT, SETTINGS, check, exact_joint, sample_ssd, ssd_models
+from lossless import NUM_TOKENS, PROMPT, SETTINGS, check, exact_joint, sample_ssd
 
 from specfork import LLM, SamplingParams
 from specfork.errors import EngineFailure, ModelLoadError, SpecforkError
@@ -81,16 +80,6 @@ def test_shards_cover_every_head_and_unit_once():
                                                                        (range(2, 4), range(0, 1))]
     with pytest.raises(ModelLoadError, match="cannot split 4 query / 1 KV heads over 3"):
         TensorShard(0, 3, None).heads(mqa)
-
-
-@pytest.fixture(scope="module")
-def head_pair(tmp_path_factory):
-    return head_models(tmp_path_factory.mktemp("tp_head"))
-
-
-@pytest.fixture(scope="module")
-def draft_pair(tmp_path_factory):
-    return ssd_models(tmp_path_factory.mktemp("tp_draft"))
 
 
 def test_tp2_speculative_decoding_equals_tp2_ar(head_pair, draft_pair):

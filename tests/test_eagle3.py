@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from eagle3_heads import HEAD_DRAFT_IDS as DRAFT_IDS
-from eagle3_heads import head_models, plain_head, plain_head_logits, write_tiny_head
+from eagle3_heads import plain_head, plain_head_logits, write_tiny_head
 from lossless import NUM_TOKENS, PROMPT, SETTINGS, VOCAB, check, exact_joint, marginal
 from safetensors.torch import load_file, save_file
 
@@ -142,17 +142,12 @@ def test_a_head_for_another_target_is_refused(tiny_target, tiny_checkpoints, tmp
     assert not isinstance(head.mlp.down_proj, QuantizedLinear)
 
 
-@pytest.fixture(scope="module")
-def lossless_models(tmp_path_factory):
-    return head_models(tmp_path_factory.mktemp("eagle3_lossless"))
-
-
 @pytest.mark.parametrize("k, confidence", [(1, 0.0), (3, 0.0), (5, 0.0), (5, 0.3)])
-def test_greedy_sd_with_a_head_equals_ar(lossless_models, k, confidence):
+def test_greedy_sd_with_a_head_equals_ar(head_pair, k, confidence):
     prompts = [PROMPT, [2, 4], [6, 1, 1, 0, 3], [5]]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    expected = [o.token_ids for o in LLM(lossless_models["target"], deterministic=True).generate(prompts, params)]
-    llm = LLM(lossless_models["target"], mode="sd", draft=lossless_models["draft"], k=k, draft_confidence=confidence,
+    expected = [o.token_ids for o in LLM(head_pair["target"], deterministic=True).generate(prompts, params)]
+    llm = LLM(head_pair["target"], mode="sd", draft=head_pair["draft"], k=k, draft_confidence=confidence,
               deterministic=True)
     for batch in ([prompts[0]], prompts):  # batch 1 and 4
         outs = llm.generate(batch, params)
@@ -165,13 +160,13 @@ def test_greedy_sd_with_a_head_equals_ar(lossless_models, k, confidence):
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
-def test_sd_with_a_reduced_vocabulary_head_is_lossless(lossless_models, setting):
+def test_sd_with_a_reduced_vocabulary_head_is_lossless(head_pair, setting):
     params_kw = SETTINGS[setting]
-    joint = exact_joint(lossless_models["hf_target"], SamplingParams(**params_kw), NUM_TOKENS)
+    joint = exact_joint(head_pair["hf_target"], SamplingParams(**params_kw), NUM_TOKENS)
     outside = sum(p for tokens, p in marginal(joint, (0,)).items() if tokens[0] not in DRAFT_IDS)
     assert outside > 0.1  # the target really produces tokens the head cannot propose
     n = 12000
-    llm = LLM(lossless_models["target"], mode="sd", draft=lossless_models["draft"], k=3, max_num_seqs=512,
+    llm = LLM(head_pair["target"], mode="sd", draft=head_pair["draft"], k=3, max_num_seqs=512,
               kv_cache_tokens=512 * 16)
     outs = llm.generate([PROMPT] * n, [SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, seed=i, **params_kw)
                                        for i in range(n)])

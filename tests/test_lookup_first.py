@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from eagle3_heads import HEAD_DRAFT_IDS as DRAFT_IDS
-from eagle3_heads import head_models
-from lossless import NUM_TOKENS, PROMPT, SETTINGS, check, exact_joint, marginal, ssd_models
+from lossless import NUM_TOKENS, PROMPT, SETTINGS, check, exact_joint, marginal
 
 from specfork import LLM, SamplingParams
 from specfork.config import Config
@@ -76,20 +75,10 @@ def test_lookup_first_is_refused_where_it_means_nothing(options, message):
         Config(**options)
 
 
-@pytest.fixture(scope="module")
-def head(tmp_path_factory):
-    return head_models(tmp_path_factory.mktemp("lookup_head"))
-
-
-@pytest.fixture(scope="module")
-def draft_model(tmp_path_factory):
-    return ssd_models(tmp_path_factory.mktemp("lookup_draft"))
-
-
 @pytest.mark.parametrize("drafter", ["head", "draft model"])
 @pytest.mark.parametrize("k, n", [(2, 1), (4, 2)])
-def test_greedy_sd_with_lookup_first_equals_ar(head, draft_model, drafter, k, n):
-    models = head if drafter == "head" else draft_model
+def test_greedy_sd_with_lookup_first_equals_ar(head_pair, draft_pair, drafter, k, n):
+    models = head_pair if drafter == "head" else draft_pair
     prompts = [PROMPT * 2, [2, 4], [6, 1, 1, 0, 3, 6, 1], [5]]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     expected = [o.token_ids for o in LLM(models["target"], deterministic=True).generate(prompts, params)]
@@ -100,13 +89,13 @@ def test_greedy_sd_with_lookup_first_equals_ar(head, draft_model, drafter, k, n)
     assert proposer.rounds_looked_up > 0 and proposer.rounds_drafted > 0  # both sources proposed
 
 
-def test_sampling_with_lookups_and_a_reduced_vocabulary_head_is_lossless(head):
+def test_sampling_with_lookups_and_a_reduced_vocabulary_head_is_lossless(head_pair):
     params_kw = SETTINGS["temperature"]
-    joint = exact_joint(head["hf_target"], SamplingParams(**params_kw), NUM_TOKENS)
+    joint = exact_joint(head_pair["hf_target"], SamplingParams(**params_kw), NUM_TOKENS)
     outside = sum(p for tokens, p in marginal(joint, (0,)).items() if tokens[0] not in DRAFT_IDS)
     assert outside > 0.1  # the target really produces tokens the head cannot propose
     n = 6000
-    llm = LLM(head["target"], mode="sd", draft=head["draft"], k=3, lookup_first=2, max_num_seqs=512,
+    llm = LLM(head_pair["target"], mode="sd", draft=head_pair["draft"], k=3, lookup_first=2, max_num_seqs=512,
               kv_cache_tokens=512 * 16)
     outs = llm.generate([PROMPT] * n, [SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, seed=i, **params_kw)
                                        for i in range(n)])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from eagle3_heads import HEAD_DRAFT_IDS as DRAFT_IDS
-from eagle3_heads import head_models, plain_head, write_tiny_head
+from eagle3_heads import plain_head, write_tiny_head
 from lossless import NUM_TOKENS, PROMPT, SETTINGS, check, exact_joint, marginal, sample_ssd
 
 from specfork import LLM, SamplingParams
@@ -17,11 +17,6 @@ from specfork.speculative.ssd.drafter import DrafterCore
 from specfork.speculative.ssd.messages import DrafterSettings, SpecRequest
 
 pytestmark = pytest.mark.dist
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return head_models(tmp_path_factory.mktemp("ssd_eagle3"))
-
 
 def test_every_branch_is_the_heads_chain_on_its_own_outputs(tiny_checkpoints, tmp_path):
     """The drafter, given the target's features of a prompt, answers with the head's chain and
@@ -92,11 +87,11 @@ def test_every_branch_is_the_heads_chain_on_its_own_outputs(tiny_checkpoints, tm
 
 
 @pytest.mark.parametrize("k, backup", [(1, "jit"), (3, "fast"), (5, "jit")])
-def test_greedy_ssd_with_a_head_equals_ar(models, k, backup):
+def test_greedy_ssd_with_a_head_equals_ar(head_pair, k, backup):
     prompts = [PROMPT, [2, 4], [6, 1, 1, 0, 3], [5]]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    expected = [o.token_ids for o in LLM(models["target"], deterministic=True).generate(prompts, params)]
-    with LLM(models["target"], mode="ssd", draft=models["draft"], k=k, backup=backup, deterministic=True) as llm:
+    expected = [o.token_ids for o in LLM(head_pair["target"], deterministic=True).generate(prompts, params)]
+    with LLM(head_pair["target"], mode="ssd", draft=head_pair["draft"], k=k, backup=backup, deterministic=True) as llm:
         assert llm.engine.step_strategy.proposer.feature_layers == (0, 1, 1)
         for batch in ([prompts[0]], prompts):  # batch 1 and 4
             outs = llm.generate(batch, params)
@@ -107,19 +102,19 @@ def test_greedy_ssd_with_a_head_equals_ar(models, k, backup):
     assert sum(o.metrics["draft_tokens_proposed"] for o in outs) > 0
 
 
-def test_a_head_needs_the_fast_tree_backend(models):
+def test_a_head_needs_the_fast_tree_backend(head_pair):
     with pytest.raises(SpecforkError, match="tree-backend sdpa runs draft models only"):
-        LLM(models["target"], mode="ssd", draft=models["draft"], tree_backend="sdpa")
+        LLM(head_pair["target"], mode="ssd", draft=head_pair["draft"], tree_backend="sdpa")
 
 
 @pytest.mark.parametrize("backup, setting", [  # the default run keeps one; `-m slow` runs the others
     ("jit", "temperature"), pytest.param("fast", "top-p", marks=pytest.mark.slow),
     pytest.param("jit", "top-k", marks=pytest.mark.slow)])
-def test_ssd_with_a_reduced_vocabulary_head_is_lossless(models, backup, setting):
+def test_ssd_with_a_reduced_vocabulary_head_is_lossless(head_pair, backup, setting):
     params_kw = SETTINGS[setting]
-    joint = exact_joint(models["hf_target"], SamplingParams(**params_kw), NUM_TOKENS)
+    joint = exact_joint(head_pair["hf_target"], SamplingParams(**params_kw), NUM_TOKENS)
     outside = sum(p for tokens, p in marginal(joint, (0,)).items() if tokens[0] not in DRAFT_IDS)
     assert outside > 0.1  # the target really produces tokens the head cannot propose
-    samples = sample_ssd(models, params_kw, backup, None, 6000)  # asserts hits, misses, acceptances, rejections
+    samples = sample_ssd(head_pair, params_kw, backup, None, 6000)  # asserts hits, misses, acceptances, rejections
     for name, (stat, dof, limit) in check(samples, joint).items():
         assert stat < limit, f"{backup} {setting} {name}: chi2 {stat:.1f} >= {limit:.1f} (dof {dof})"

@@ -3,7 +3,7 @@ Saguaro reshaping, follow exactly the target's distribution (chi-square against 
 probabilities over a vocabulary of 8, tokens 1-3 and 3-5, so later rounds count)."""
 
 import pytest
-from lossless import NUM_TOKENS, SETTINGS, check, exact_joint, sample_ssd, ssd_models
+from lossless import NUM_TOKENS, SETTINGS, check, exact_joint, sample_ssd
 
 from specfork import SamplingParams
 
@@ -20,16 +20,11 @@ CASES = {  # backup, Saguaro coefficient, sampling setting
 }
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return ssd_models(tmp_path_factory.mktemp("ssd_lossless"))
-
-
 @pytest.mark.parametrize("num_samples", SAMPLES)
 @pytest.mark.parametrize("case", list(CASES))
-def test_ssd_output_distribution_is_the_target_distribution(models, case, num_samples):
+def test_ssd_output_distribution_is_the_target_distribution(draft_pair, case, num_samples):
     backup, saguaro, setting = CASES[case]
     params_kw = SETTINGS[setting]
-    joint = exact_joint(models["hf_target"], SamplingParams(**params_kw), NUM_TOKENS)
-    for name, (stat, dof, limit) in check(sample_ssd(models, params_kw, backup, saguaro, num_samples), joint).items():
+    joint = exact_joint(draft_pair["hf_target"], SamplingParams(**params_kw), NUM_TOKENS)
+    for name, (stat, dof, limit) in check(sample_ssd(draft_pair, params_kw, backup, saguaro, num_samples), joint).items():
         assert stat < limit, f"{case} {name}: chi2 {stat:.1f} >= {limit:.1f} (dof {dof})"
