@@ -1,6 +1,7 @@
 """The native paged-attention kernel (decode and verification steps) against a float64 reference:
 GQA, contexts split into several chunks, head sizes on and off the vector width, and batch
-invariance (a query's output is bit-identical alone or next to other queries)."""
+invariance (a query's output is bit-identical alone, inside a verification window of its
+sequence, or next to other sequences' queries)."""
 
 from __future__ import annotations
 
@@ -27,26 +28,50 @@ def _reference(q, cache, tables, seq_of, pos_of, scale):
     return out
 
 
-@needs_kernel
-@pytest.mark.parametrize("head_dim", [64, 20])
-def test_native_paged_attention_matches_reference_and_is_batch_invariant(head_dim):
+def _case(head_dim, dtype=torch.float32):
     gen = torch.Generator().manual_seed(0)
     num_blocks, bs, hq, hkv = 64, 16, 9, 3
-    cache = torch.randn(2, num_blocks, bs, hkv, head_dim, generator=gen)
+    cache = torch.randn(2, num_blocks, bs, hkv, head_dim, generator=gen).to(dtype)
     tables = torch.randperm(num_blocks, generator=gen)[:60].view(2, 30)  # two sequences, scattered blocks
-    positions = [0, 5, 127, 128, 300, 301, 302, 450]  # one chunk, chunk edges, several chunks
-    seq_of = torch.tensor([i % 2 for i in range(len(positions))])
+    # Decode queries of alternating sequences (one chunk, chunk edges, several chunks), then
+    # verification windows: 3 queries of sequence 0 across a chunk edge, 10 of sequence 1 (more than
+    # one run of the kernel), and a window out of position order.
+    positions = [0, 5, 127, 128, 300, 301, 302, 450] + [126, 127, 128] + list(range(250, 260)) + [40, 9, 41]
+    seq_of = torch.tensor([i % 2 for i in range(8)] + [0] * 3 + [1] * 10 + [0] * 3)
     pos_of = torch.tensor(positions)
     q = torch.randn(len(positions), hq, head_dim, generator=gen) * 3
+    return q, cache, tables, seq_of, pos_of
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_dim, dtype", [(64, torch.float32), (20, torch.float32), (64, torch.float16)])
+def test_native_paged_attention_matches_reference_and_is_batch_invariant(head_dim, dtype):
+    q, cache, tables, seq_of, pos_of = _case(head_dim, dtype)
     native = kernels().paged_attention_decode(q, cache, tables, seq_of, pos_of, 0.125)
-    reference = _reference(q, cache, tables, seq_of, pos_of, 0.125)
+    reference = _reference(q, cache.float(), tables, seq_of, pos_of, 0.125)
     assert float((native.double() - reference).abs().max()) <= 2e-5
-    for t in range(len(positions)):  # alone == in the batch, bit for bit
+    for t in range(len(pos_of)):  # alone == in the batch, bit for bit
         alone = kernels().paged_attention_decode(q[t : t + 1], cache, tables, seq_of[t : t + 1], pos_of[t : t + 1], 0.125)
         assert torch.equal(alone[0], native[t])
+    window = slice(8, 11)  # a verification window alone == the same window among other queries
+    alone = kernels().paged_attention_decode(q[window], cache, tables, seq_of[window], pos_of[window], 0.125)
+    assert torch.equal(alone, native[window])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         assert torch.equal(kernels().paged_attention_decode(q, cache, tables, seq_of, pos_of, 0.125), native)
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_kernel
+def test_native_paged_attention_reads_each_querys_own_keys():
+    """A window's queries see different numbers of keys: changing a key that only the last query
+    sees changes only its output (the kernel must not let the others read past their position)."""
+    q, cache, tables, seq_of, pos_of = _case(64)
+    window = slice(11, 21)  # positions 250..259 of sequence 1
+    before = kernels().paged_attention_decode(q[window], cache, tables, seq_of[window], pos_of[window], 0.125)
+    slot = int(tables[1, 259 // 16]) * 16 + 259 % 16
+    cache.view(2, -1, 3, 64)[:, slot] += 1.0
+    after = kernels().paged_attention_decode(q[window], cache, tables, seq_of[window], pos_of[window], 0.125)
+    assert torch.equal(after[:-1], before[:-1]) and not torch.equal(after[-1], before[-1])

@@ -2,19 +2,25 @@
 // from the block-paged KV cache (no gather copy).
 //
 // Query t belongs to sequence seq[t] and sits at position pos[t]; it attends to that sequence's
-// keys 0..pos[t] (causal). Work is split into items of (query, KV head, chunk of kChunk keys): the
-// query heads sharing a KV head (GQA) are computed together, so each key and value is read once
-// for all of them, and long contexts are split over threads. Each item produces, per query head,
-// the running max, the sum of exp and the weighted sum of values of its keys; the chunks are then
-// merged in order. Chunk boundaries depend only on the position, and every reduction has a fixed
-// order, so a query's output never depends on which other queries or sequences share the call, nor
-// on the number of threads (batch-invariant by construction).
+// keys 0..pos[t] (causal). Work is split into items of (run of queries, KV head, chunk of kChunk
+// keys): a run is up to kRun consecutive queries of one sequence (a verification window; a decode
+// step's query alone), and the query heads sharing a KV head (GQA) are computed together, so each
+// key and value is read from memory once for every query and head of the item, and long contexts
+// are split over threads. Scores take eight keys at a time (eight accumulators over the head
+// dimension, reduced by a transpose). Each item produces, per query and head, the running max, the
+// sum of exp and the weighted sum of values of the query's keys in the chunk; the chunks are then
+// merged in order. Chunk boundaries depend only on the position, every reduction has a fixed
+// order, and a query's keys are the same whichever run it sits in, so a query's output never
+// depends on which other queries or sequences share the call, nor on the number of threads
+// (batch-invariant by construction).
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -53,41 +59,59 @@ inline __m256 exp_nonpositive(__m256 x) {
 }
 #endif
 
-// q . k over d, with a fixed order: 8 lanes, then a fixed tree over the lanes.
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-#if defined(__AVX2__) && defined(__FMA__)
-  if (n % 8 == 0) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t d = 0; d < n; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
-    return hsum(acc);
-  }
-#endif
-  float lanes[8] = {0.f};
-  for (int64_t d = 0; d < n; ++d) lanes[d % 8] = __builtin_fmaf(a[d], b[d], lanes[d % 8]);
-  return ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+// q . k for one query and eight keys: lane u of the result is q . k[u], summed over d in 8 lanes
+// (lane l takes d = l, l + 8, ... in order), then over the lanes as ((0+1)+(2+3))+((4+5)+(6+7)).
+// dot_scalar computes the same sums in the same order (for any n, and without AVX2).
+inline float dot_scalar(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float l[8] = {0.f};
+  for (int64_t d = 0; d < n; ++d) l[d % 8] = __builtin_fmaf(a[d], b[d], l[d % 8]);
+  return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
 }
 
-// dot() of a with four rows b[0..3] at once: the same per-row order (8 lanes over d, then the same
-// tree), so each result is bit-identical to dot(a, b[u], n); four independent chains instead of one.
-inline void dot4(const float* __restrict a, const float* const* b, int64_t n, float* out) {
+inline void dot8(const float* __restrict a, const float* const* b, int64_t n, float* out) {
 #if defined(__AVX2__) && defined(__FMA__)
   if (n % 8 == 0) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+    __m256 acc[8];
+    for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
     for (int64_t d = 0; d < n; d += 8) {
       const __m256 x = _mm256_loadu_ps(a + d);
-      acc0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b[0] + d), acc0);
-      acc1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b[1] + d), acc1);
-      acc2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b[2] + d), acc2);
-      acc3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b[3] + d), acc3);
+      for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(x, _mm256_loadu_ps(b[u] + d), acc[u]);
     }
-    out[0] = hsum(acc0);
-    out[1] = hsum(acc1);
-    out[2] = hsum(acc2);
-    out[3] = hsum(acc3);
+    // Transpose and reduce: hadd pairs lanes (0+1, 2+3 of each half), the second hadd adds those
+    // pairs, and the last add joins the two 128-bit halves ((0..3) + (4..7)).
+    const __m256 h01 = _mm256_hadd_ps(acc[0], acc[1]), h23 = _mm256_hadd_ps(acc[2], acc[3]);
+    const __m256 h45 = _mm256_hadd_ps(acc[4], acc[5]), h67 = _mm256_hadd_ps(acc[6], acc[7]);
+    const __m256 q0 = _mm256_hadd_ps(h01, h23), q1 = _mm256_hadd_ps(h45, h67);
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20), _mm256_permute2f128_ps(q0, q1, 0x31)));
     return;
   }
 #endif
-  for (int u = 0; u < 4; ++u) out[u] = dot(a, b[u], n);
+  for (int u = 0; u < 8; ++u) out[u] = dot_scalar(a, b[u], n);
+}
+
+// scores[j] *= scale for j < n; returns their max (exact whatever the order).
+inline float scale_and_max(float* scores, int64_t n, float scale) {
+  int64_t j = 0;
+  float mx = -INFINITY;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (n >= 8) {
+    const __m256 f = _mm256_set1_ps(scale);
+    __m256 m = _mm256_set1_ps(-INFINITY);
+    for (; j + 8 <= n; j += 8) {
+      const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(scores + j), f);
+      _mm256_storeu_ps(scores + j, v);
+      m = _mm256_max_ps(m, v);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, m);
+    for (float v : lanes) mx = v > mx ? v : mx;
+  }
+#endif
+  for (; j < n; ++j) {
+    scores[j] *= scale;
+    mx = scores[j] > mx ? scores[j] : mx;
+  }
+  return mx;
 }
 
 // scores[j] = exp(scores[j] - mx) for j < n; returns their sum (8 lanes, then a fixed tree).
@@ -111,8 +135,13 @@ inline float exp_and_sum(float* scores, int64_t n, float mx) {
   return total;
 }
 
+// Up to kRun consecutive queries of one sequence (a verification window) form one work item per KV
+// head and chunk of keys: each key and value is read from memory once for all of them.
+constexpr int64_t kRun = 8;
+
 struct Item {
-  int64_t t, kvh, first, last;  // query, KV head, keys [first, last)
+  int64_t t0, t1;  // queries t0..t1-1, all of one sequence
+  int64_t kvh, first;  // KV head; the chunk of keys starting at `first`
 };
 
 // A cache row as float32: itself for a float32 cache, converted (exactly) into buf for float16.
@@ -125,6 +154,28 @@ inline const float* as_float(const at::Half* row, int64_t n, float* buf) {
 #endif
   for (; d < n; ++d) buf[d] = static_cast<float>(row[d]);
   return buf;
+}
+
+// o[0..D) += sum over j < len of p[j] * v[j][0..D), as o[d] = fma(p_j, v_j[d], o[d]) in key order.
+inline void weighted_values(const float* p, const float* const* v, int64_t len, int64_t D, float* o) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (D % 64 == 0) {  // each 64-wide block of o in 8 registers over all the keys
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+      __m256 acc[8];
+      for (int r = 0; r < 8; ++r) acc[r] = _mm256_loadu_ps(o + d0 + 8 * r);
+      for (int64_t j = 0; j < len; ++j) {
+        const __m256 pj = _mm256_set1_ps(p[j]);
+        for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v[j] + d0 + 8 * r), acc[r]);
+      }
+      for (int r = 0; r < 8; ++r) _mm256_storeu_ps(o + d0 + 8 * r, acc[r]);
+    }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < len; ++j) {
+#pragma GCC ivdep
+    for (int64_t d = 0; d < D; ++d) o[d] = __builtin_fmaf(p[j], v[j][d], o[d]);
+  }
 }
 
 }  // namespace
@@ -162,6 +213,7 @@ torch::Tensor attend(const torch::Tensor& q_in, const torch::Tensor& cache, cons
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t num_blocks = cache.size(1), bs = cache.size(2), Hkv = cache.size(3);
   TORCH_CHECK(cache.size(4) == D && Hq % Hkv == 0, "cache/query shapes disagree");
+  TORCH_CHECK(seqs.numel() == T && poss.numel() == T, "one sequence index and position per query");
   const int64_t group = Hq / Hkv, max_blocks = tables.size(1);
   auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
@@ -173,86 +225,62 @@ torch::Tensor attend(const torch::Tensor& q_in, const torch::Tensor& cache, cons
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
 
-  std::vector<Item> items;
-  std::vector<int64_t> first_item(T + 1);
+  // Chunks of query t: its keys 0..pos[t] in chunks of kChunk; chunk_base[t]: the first of t's
+  // (chunk, head) partial results, which are laid out query by query, chunk by chunk, head by head.
+  std::vector<int64_t> chunk_base(T + 1, 0);
   for (int64_t t = 0; t < T; ++t) {
-    first_item[t] = static_cast<int64_t>(items.size());
-    const int64_t n = pp[t] + 1;
-    TORCH_CHECK(pp[t] >= 0 && n <= max_blocks * bs, "position beyond the block table");
-    for (int64_t kvh = 0; kvh < Hkv; ++kvh)
-      for (int64_t first = 0; first < n; first += kChunk) items.push_back({t, kvh, first, std::min(n, first + kChunk)});
+    TORCH_CHECK(pp[t] >= 0 && pp[t] + 1 <= max_blocks * bs, "position beyond the block table");
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < tables.size(0), "sequence index beyond the block tables");
+    chunk_base[t + 1] = chunk_base[t] + (pp[t] + kChunk) / kChunk;
   }
-  first_item[T] = static_cast<int64_t>(items.size());
-  // per item and query head of its group: max, sum of exp, then D weighted values
+  std::vector<Item> items;
+  for (int64_t t0 = 0, t1; t0 < T; t0 = t1) {
+    int64_t n_max = pp[t0] + 1;
+    for (t1 = t0 + 1; t1 < T && t1 - t0 < kRun && sp[t1] == sp[t0]; ++t1) n_max = std::max(n_max, pp[t1] + 1);
+    for (int64_t kvh = 0; kvh < Hkv; ++kvh)
+      for (int64_t first = 0; first < n_max; first += kChunk) items.push_back({t0, t1, kvh, first});
+  }
+  // per query, chunk and head: max, sum of exp, then D weighted values
   const int64_t stride = D + 2;
-  std::vector<float> partial(items.size() * group * stride);
+  std::vector<float> partial(chunk_base[T] * Hq * stride);
 
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores(group * kChunk);
-    std::vector<float> row(4 * D);  // float16 key rows converted
-    std::vector<float> values(kChunk * D);  // float16 value rows converted
+    std::unique_ptr<float[]> scores(new float[kChunk + 8]);
+    std::unique_ptr<const float*[]> krow(new const float*[kChunk]), vrow(new const float*[kChunk]);
+    // float16 rows converted once per item (unused for a float32 cache)
+    std::unique_ptr<float[]> converted(new float[std::is_same<Elem, float>::value ? 1 : 2 * kChunk * D]);
     for (int64_t i = i0; i < i1; ++i) {
       const Item& it = items[i];
-      const int64_t* table = tp + sp[it.t] * max_blocks;
-      const int64_t len = it.last - it.first;
-      const float* qh = qp + (it.t * Hq + it.kvh * group) * D;
-      const auto key_row = [&](int64_t key, float* buf) {
-        return as_float(kp + ((table[key / bs] * bs + key % bs) * Hkv + it.kvh) * D, D, buf);
-      };
-      int64_t j = 0;
-      for (; j + 4 <= len; j += 4) {  // scores of every head of the group, each key read once, 4 keys at a time
-        const float* kv[4];
-        for (int u = 0; u < 4; ++u) kv[u] = key_row(it.first + j + u, row.data() + u * D);
-        float s4[4];
-        for (int64_t g = 0; g < group; ++g) {
-          dot4(qh + g * D, kv, D, s4);
-          for (int u = 0; u < 4; ++u) scores[g * kChunk + j + u] = s4[u] * fscale;
-        }
-      }
-      for (; j < len; ++j) {
-        const float* kv = key_row(it.first + j, row.data());
-        for (int64_t g = 0; g < group; ++g) scores[g * kChunk + j] = dot(qh + g * D, kv, D) * fscale;
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * kChunk;
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < len; ++j) mx = s[j] > mx ? s[j] : mx;
-        float* part = partial.data() + (i * group + g) * stride;
-        part[0] = mx;
-        part[1] = exp_and_sum(s, len, mx);
-        std::fill(part + 2, part + 2 + D, 0.f);
-      }
-      // Weighted values: o[d] = fma(p_j, v_j[d], o[d]) over the keys in order, for every head of the group.
-      const auto value_row = [&](int64_t j) {
+      const int64_t* table = tp + sp[it.t0] * max_blocks;
+      int64_t len_max = 0;  // keys of this chunk seen by the item's furthest query
+      for (int64_t t = it.t0; t < it.t1; ++t) len_max = std::max(len_max, std::min(pp[t] + 1 - it.first, kChunk));
+      for (int64_t j = 0; j < len_max; ++j) {
         const int64_t key = it.first + j;
-        return as_float(vp + ((table[key / bs] * bs + key % bs) * Hkv + it.kvh) * D, D, values.data() + j * D);
-      };
-#if defined(__AVX2__) && defined(__FMA__)
-      if (D % 64 == 0) {  // each head's 64-wide block of o in 8 registers over all the keys
-        const float* vrow[kChunk];
-        for (int64_t j = 0; j < len; ++j) vrow[j] = value_row(j);
-        for (int64_t g = 0; g < group; ++g)
-          for (int64_t d0 = 0; d0 < D; d0 += 64) {
-            float* o = partial.data() + (i * group + g) * stride + 2 + d0;
-            __m256 acc[8];
-            for (int r = 0; r < 8; ++r) acc[r] = _mm256_loadu_ps(o + 8 * r);
-            for (int64_t j = 0; j < len; ++j) {
-              const __m256 p = _mm256_set1_ps(scores[g * kChunk + j]);
-              const float* v = vrow[j] + d0;
-              for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * r), acc[r]);
-            }
-            for (int r = 0; r < 8; ++r) _mm256_storeu_ps(o + 8 * r, acc[r]);
-          }
-        continue;
+        const int64_t row = ((table[key / bs] * bs + key % bs) * Hkv + it.kvh) * D;
+        krow[j] = as_float(kp + row, D, converted.get() + j * D);
+        vrow[j] = as_float(vp + row, D, converted.get() + (kChunk + j) * D);
       }
-#endif
-      for (int64_t j = 0; j < len; ++j) {  // each value read once
-        const float* vv = value_row(j);
+      for (int64_t t = it.t0; t < it.t1; ++t) {
+        const int64_t len = std::min(pp[t] + 1 - it.first, kChunk);
+        if (len <= 0) continue;  // this query's keys end before the chunk
+        const int64_t chunk = it.first / kChunk;
         for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * kChunk + j];
-          float* o = partial.data() + (i * group + g) * stride + 2;
-#pragma GCC ivdep
-          for (int64_t d = 0; d < D; ++d) o[d] = __builtin_fmaf(p, vv[d], o[d]);
+          const int64_t h = it.kvh * group + g;
+          const float* qh = qp + (t * Hq + h) * D;
+          float* s = scores.get();
+          int64_t j = 0;
+          for (; j + 8 <= len; j += 8) dot8(qh, krow.get() + j, D, s + j);
+          if (j < len) {  // the last keys, padded to 8 with a repeat of the first (its extra scores unused)
+            const float* tail[8];
+            for (int u = 0; u < 8; ++u) tail[u] = krow[j + (j + u < len ? u : 0)];
+            dot8(qh, tail, D, s + j);
+          }
+          const float mx = scale_and_max(s, len, fscale);
+          float* part = partial.data() + ((chunk_base[t] + chunk) * Hq + h) * stride;
+          part[0] = mx;
+          part[1] = exp_and_sum(s, len, mx);
+          std::fill(part + 2, part + 2 + D, 0.f);
+          weighted_values(s, vrow.get(), len, D, part + 2);
         }
       }
     }
@@ -260,10 +288,9 @@ torch::Tensor attend(const torch::Tensor& q_in, const torch::Tensor& cache, cons
 
   // merge the chunks of each (query, head) in order
   for (int64_t t = 0; t < T; ++t) {
-    const int64_t chunks = (first_item[t + 1] - first_item[t]) / Hkv;
+    const int64_t chunks = chunk_base[t + 1] - chunk_base[t];
     for (int64_t h = 0; h < Hq; ++h) {
-      const int64_t kvh = h / group, g = h % group;
-      const auto part = [&](int64_t c) { return partial.data() + ((first_item[t] + kvh * chunks + c) * group + g) * stride; };
+      const auto part = [&](int64_t c) { return partial.data() + ((chunk_base[t] + c) * Hq + h) * stride; };
       float mx = -INFINITY;
       for (int64_t c = 0; c < chunks; ++c) mx = std::max(mx, part(c)[0]);
       float* o = op + (t * Hq + h) * D;
