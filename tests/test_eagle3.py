@@ -159,21 +159,40 @@ def test_greedy_sd_with_a_head_equals_ar(head_pair, k, confidence):
         assert proposed < k * sum(o.metrics["spec_rounds"] for o in outs)  # chains ended early
 
 
-@pytest.mark.parametrize("setting", list(SETTINGS))
-def test_sd_with_a_reduced_vocabulary_head_is_lossless(head_pair, setting):
+def test_a_confidence_floor_can_leave_a_round_without_a_draft(head_pair):
+    """With a floor above most of the head's top probabilities many chains are empty: those rounds
+    are plain decode steps, and greedy output still equals AR."""
+    prompts = [PROMPT, [2, 4], [6, 1, 1, 0, 3], [5]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(head_pair["target"], deterministic=True).generate(prompts, params)]
+    llm = LLM(head_pair["target"], mode="sd", draft=head_pair["draft"], k=3, draft_confidence=0.9,
+              deterministic=True)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == expected
+    proposed = sum(o.metrics["draft_tokens_proposed"] for o in outs)
+    assert 0 < proposed < sum(o.metrics["spec_rounds"] for o in outs)  # some rounds proposed nothing
+
+
+@pytest.mark.parametrize("setting, confidence", [(s, 0.0) for s in SETTINGS] + [("temperature", 0.3)])
+def test_sd_with_a_reduced_vocabulary_head_is_lossless(head_pair, setting, confidence):
+    """Also with a confidence floor: where a chain ends is decided from the head's distribution
+    before each draw (deciding from the drawn token would bias the output)."""
     params_kw = SETTINGS[setting]
     joint = exact_joint(head_pair["hf_target"], SamplingParams(**params_kw), NUM_TOKENS)
     outside = sum(p for tokens, p in marginal(joint, (0,)).items() if tokens[0] not in DRAFT_IDS)
     assert outside > 0.1  # the target really produces tokens the head cannot propose
     n = 12000
     llm = LLM(head_pair["target"], mode="sd", draft=head_pair["draft"], k=3, max_num_seqs=512,
-              kv_cache_tokens=512 * 16)
+              kv_cache_tokens=512 * 16, draft_confidence=confidence)
     outs = llm.generate([PROMPT] * n, [SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, seed=i, **params_kw)
                                        for i in range(n)])
     accepted = sum(o.metrics["draft_tokens_accepted"] for o in outs)
     proposed = sum(o.metrics["draft_tokens_proposed"] for o in outs)
     assert 0 < accepted < proposed
-    assert sum(o.metrics["spec_rounds"] for o in outs) >= 2 * n  # later tokens come from later rounds
+    rounds = sum(o.metrics["spec_rounds"] for o in outs)
+    assert rounds >= 2 * n  # later tokens come from later rounds
+    if confidence:
+        assert proposed < 0.8 * 3 * rounds  # chains of every length, empty ones too
     for name, (stat, dof, limit) in check([tuple(o.token_ids) for o in outs], joint).items():
         assert stat < limit, f"{setting} {name}: chi2 {stat:.1f} >= {limit:.1f} (dof {dof})"
     assert VOCAB == 8

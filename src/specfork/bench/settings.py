@@ -36,8 +36,8 @@ class BenchSettings:
     temperature: float = option(0.0, "0 = greedy")
     k: int | str = option(5, "speculated tokens per round, or auto (sd and ngram modes: chosen from measured "
                           "costs)", parse=int_or_auto)
-    draft_confidence: float = option(0.0, "SD with an EAGLE-3 head: end a chain when the head's probability of it "
-                                     "falls below this (0: always k)")
+    draft_confidence: float = option(0.0, "SD with an EAGLE-3 head: take a chain's next token only while the head's "
+                                     "chain probability times its top probability there is at least this (0: always k)")
     lookup_first: int = option(0, "SD with a draft or head: prompt lookup of the context's last N.."
                                "--ngram-max tokens proposes where it finds them, the draft elsewhere (0: off)")
     fan_out: int = option(3, "SSD fan-out per outcome")

@@ -5,10 +5,11 @@ the accepted positions of each verification). Each round the head catches up on 
 a chain on its own outputs through the one head drafting loop
 (:mod:`specfork.speculative.head_runner`).
 
-A chain stops early when the head's probability of the whole chain falls below
-``min_confidence``. Draft tokens come from the head's reduced vocabulary; their distribution q
-is scattered into the target's vocabulary (zero elsewhere) before verification, so a target
-token the head cannot propose is still produced with its exact probability.
+A chain takes its next token only while the head's probability of the chain so far times its
+top probability there stays at or above ``min_confidence`` (it may be empty). Draft tokens come
+from the head's reduced vocabulary; their distribution q is scattered into the target's
+vocabulary (zero elsewhere) before verification, so a target token the head cannot propose is
+still produced with its exact probability.
 """
 
 from __future__ import annotations

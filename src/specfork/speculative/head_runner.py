@@ -131,9 +131,12 @@ class HeadRunner:
         min_confidence: float = 0.0,
     ) -> list[Drafted]:
         """Draft up to ``num_tokens[i]`` tokens after ``contexts[i]``: catch up on the target's
-        features, then one row per token on the head's own output; a chain ends early once the
-        head's probability of it falls below ``min_confidence``. A state that is not ``ready``
-        gets no tokens."""
+        features, then one row per token on the head's own output. A chain takes its next token
+        only while the head's probability of the chain so far times its top probability there
+        stays at or above ``min_confidence``, so a chain may be empty (the round is then a plain
+        decode step). The decision at a position depends on the tokens before it and the head's
+        distribution there, never on the token drawn there, so verification stays exact. A
+        state that is not ``ready`` gets no tokens."""
         tokens: list[list[int]] = [[] for _ in states]
         probs: list[list[torch.Tensor]] = [[] for _ in states]
         active = [i for i, n in enumerate(num_tokens) if n > 0 and states[i].ready(len(contexts[i]))]
@@ -145,15 +148,17 @@ class HeadRunner:
         confidence = [1.0] * len(states)
         step = 0
         while active:
-            drafted, q, p = self._draw(out, [params[i] for i in active], [generators[i] for i in active], reshape,
-                                       with_confidence=min_confidence > 0)
+            drafted, q, p, top = self._draw(out, [params[i] for i in active], [generators[i] for i in active],
+                                            reshape, with_confidence=min_confidence > 0)
             keep = []
             for row, i in enumerate(active):
+                if confidence[i] * top[row] < min_confidence:
+                    continue  # the chain ends before this position (its draw is discarded)
                 tokens[i].append(drafted[row])
                 if q is not None and not params[i].greedy:
                     probs[i].append(q[row])
                 confidence[i] *= p[row]
-                if len(tokens[i]) < num_tokens[i] and confidence[i] >= min_confidence:
+                if len(tokens[i]) < num_tokens[i]:
                     keep.append(row)
             active = [active[r] for r in keep]
             if not active:
@@ -168,22 +173,25 @@ class HeadRunner:
     def _draw(self, out: torch.Tensor, params: list[SamplingParams], generators: list, reshape: Reshape | None, *,
               with_confidence: bool):
         """One token per row: (tokens, q [rows, V] or None when every row is greedy, the head's
-        probability of each token: ones unless ``with_confidence``)."""
+        probability of each token, and its top probability in each row; ones for both unless
+        ``with_confidence``)."""
+        ones = [1.0] * len(params)
         if all(p.greedy for p in params):  # the head's best token; no distribution to send
             draft_logits = self.head.compute_logits(out)
             best = draft_logits.argmax(dim=-1)
             tokens = self.head.draft_to_target.index_select(0, best).tolist()
             if not with_confidence:
-                return tokens, None, [1.0] * len(params)
-            confidence = torch.softmax(draft_logits, dim=-1).gather(1, best.unsqueeze(1)).squeeze(1)
-            return tokens, None, confidence.tolist()
+                return tokens, None, ones, ones
+            confidence = torch.softmax(draft_logits, dim=-1).gather(1, best.unsqueeze(1)).squeeze(1).tolist()
+            return tokens, None, confidence, confidence
         logits = self.full_logits(out)
         draw = sample(logits, params, generators, reshape)
         head_probs = torch.softmax(logits, dim=-1)
         chosen = torch.tensor(draw.tokens, device=self.device).unsqueeze(1)
         confidence = head_probs.gather(1, chosen).squeeze(1).tolist()
+        top = head_probs.amax(dim=-1).tolist() if with_confidence else ones
         q = torch.stack([draw.q_of(r) if draw.q_of(r) is not None else head_probs[r] for r in range(len(params))])
-        return draw.tokens, q, confidence
+        return draw.tokens, q, confidence, top
 
     # -- SSD's glue ---------------------------------------------------------------------
 
