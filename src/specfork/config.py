@@ -82,7 +82,8 @@ class Config:
     draft_confidence: float = option(0.0, "SD with an EAGLE-3 head: take a chain's next token only while the head's "
                                      "probability of the chain so far times its top probability there is at least "
                                      "this, so a chain may be empty (0: always draft --k tokens; SSD's branches "
-                                     "always have --k)", group=SPECULATIVE)
+                                     "always have --k; 0.3 with --k 4 --lookup-first 2 measured best on the "
+                                     "embedded model)", group=SPECULATIVE)
     ngram_min: int = option(1, "shortest n-gram matched by --drafter ngram", group=SPECULATIVE)
     ngram_max: int = option(4, "longest n-gram matched by --drafter ngram", group=SPECULATIVE)
     lookup_first: int = option(0, "SD with a draft model or EAGLE-3 head: where the context's last N tokens (up to "
