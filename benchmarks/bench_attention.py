@@ -13,8 +13,8 @@ import argparse
 
 import torch
 
+from specfork.bench.machine import native_kernels_or_exit
 from specfork.bench.timing import median, timed
-from specfork.layers.cpu_kernels import kernels
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, BLOCK = 9, 3, 64, 30, 16
 
@@ -26,9 +26,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=15)
     args = parser.parse_args()
-    k = kernels()
-    if k is None:
-        raise SystemExit("the native kernels are not available on this machine")
+    k = native_kernels_or_exit()
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     contexts = [int(c) for c in args.contexts.split(",")]

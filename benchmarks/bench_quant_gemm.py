@@ -13,8 +13,8 @@ import argparse
 
 import torch
 
+from specfork.bench.machine import native_kernels_or_exit
 from specfork.bench.timing import median, timed
-from specfork.layers.cpu_kernels import kernels
 
 SHAPES = [(1536, 576, 4), (576, 1536, 4), (576, 576, 4), (4096, 576, 8)]  # (outputs, inputs, bits)
 INT8_INPUTS = 16  # the kernel's format flag (layers/quantized.py)
@@ -28,9 +28,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=9)
     args = parser.parse_args()
-    k = kernels()
-    if k is None:
-        raise SystemExit("the native kernels are not available on this machine")
+    k = native_kernels_or_exit()
     torch.set_num_threads(args.threads)
     isas = args.isas.split(",") if args.isas else [k.kernel_isa()]
     inputs = args.inputs.split(",")

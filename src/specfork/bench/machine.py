@@ -33,6 +33,17 @@ def machine_info() -> dict:
     }
 
 
+def native_kernels_or_exit():
+    """The native kernel module, for scripts that time it; exits with a plain message where it
+    cannot be built (no compiler)."""
+    from specfork.layers.cpu_kernels import kernels
+
+    k = kernels()
+    if k is None:
+        raise SystemExit("the native kernels are not available on this machine")
+    return k
+
+
 def read_bandwidth(nbytes: int = 2**30, repeats: int = 5) -> dict:
     """Best-of-``repeats`` GB/s with torch's current thread count over an fp32 tensor of
     ``nbytes``: a read-only sum, and a copy (counted as bytes read + bytes written). A shared VM
