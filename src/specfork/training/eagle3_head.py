@@ -274,13 +274,15 @@ def target_head_rows(model, ids: torch.Tensor) -> torch.Tensor:
     return torch.cat(columns).T.float().cpu().contiguous()
 
 
-def build_head(target, config: Eagle3Config, draft_ids: torch.Tensor) -> Eagle3TrainHead:
+def build_head(target, config: Eagle3Config, draft_ids: torch.Tensor,
+               rows: torch.Tensor | None = None) -> Eagle3TrainHead:
     """A new head for ``target`` (a specfork LoadedModel): the LM head starts as the target's
-    rows of the draft vocabulary, the final norm as the target's; the rest small and random
-    (from torch's global generator)."""
+    rows of the draft vocabulary (``rows``, when the caller already has them from
+    :func:`target_head_rows`), the final norm as the target's; the rest small and random (from
+    torch's global generator)."""
     model = target.model
     head = Eagle3TrainHead(config.arch, config.target_hidden_size, model.embed_tokens.weight.detach().cpu(), draft_ids)
     with torch.no_grad():
-        head.lm_head.weight.copy_(target_head_rows(model, draft_ids))
+        head.lm_head.weight.copy_(target_head_rows(model, draft_ids) if rows is None else rows)
         head.norm.weight.copy_(model.norm.weight.detach().float().cpu())
     return head

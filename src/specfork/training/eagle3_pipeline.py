@@ -68,8 +68,8 @@ def train_eagle3(job: TrainDraftJob, command: str = "") -> dict:
     logger.info("draft vocabulary: %d of %d target ids, covering %.1f%% of the training responses' tokens",
                 len(vocab.ids), target.arch.vocab_size, 100 * vocab.coverage)
     torch.manual_seed(job.train.seed)
-    head = build_head(target, config, vocab.ids)
     target_rows = target_head_rows(target.model, vocab.ids)  # the loss's target distributions come from these
+    head = build_head(target, config, vocab.ids, target_rows)  # a copy: --init-head may overwrite the head's
     if init:
         head.load_state_dict(init.tensors)
         logger.info("starting from the weights of %s", e.init_head)
