@@ -142,16 +142,23 @@ def test_a_head_for_another_target_is_refused(tiny_target, tiny_checkpoints, tmp
     assert not isinstance(head.mlp.down_proj, QuantizedLinear)
 
 
+GREEDY_PROMPTS = [PROMPT, [2, 4], [6, 1, 1, 0, 3], [5]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def greedy_ar(head_pair) -> list[list[int]]:
+    """The head pair's target decoding GREEDY_PROMPTS by AR in deterministic mode (computed once)."""
+    return [o.token_ids for o in LLM(head_pair["target"], deterministic=True).generate(GREEDY_PROMPTS, GREEDY)]
+
+
 @pytest.mark.parametrize("k, confidence", [(1, 0.0), (3, 0.0), (5, 0.0), (5, 0.3)])
-def test_greedy_sd_with_a_head_equals_ar(head_pair, k, confidence):
-    prompts = [PROMPT, [2, 4], [6, 1, 1, 0, 3], [5]]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    expected = [o.token_ids for o in LLM(head_pair["target"], deterministic=True).generate(prompts, params)]
+def test_greedy_sd_with_a_head_equals_ar(head_pair, greedy_ar, k, confidence):
     llm = LLM(head_pair["target"], mode="sd", draft=head_pair["draft"], k=k, draft_confidence=confidence,
               deterministic=True)
-    for batch in ([prompts[0]], prompts):  # batch 1 and 4
-        outs = llm.generate(batch, params)
-        assert [o.token_ids for o in outs] == expected[: len(batch)]
+    for batch in ([GREEDY_PROMPTS[0]], GREEDY_PROMPTS):  # batch 1 and 4
+        outs = llm.generate(batch, GREEDY)
+        assert [o.token_ids for o in outs] == greedy_ar[: len(batch)]
     accepted = sum(o.metrics["draft_tokens_accepted"] for o in outs)
     proposed = sum(o.metrics["draft_tokens_proposed"] for o in outs)
     assert 0 < accepted < proposed  # the head's proposals were used, and some were wrong
@@ -159,16 +166,13 @@ def test_greedy_sd_with_a_head_equals_ar(head_pair, k, confidence):
         assert proposed < k * sum(o.metrics["spec_rounds"] for o in outs)  # chains ended early
 
 
-def test_a_confidence_floor_can_leave_a_round_without_a_draft(head_pair):
+def test_a_confidence_floor_can_leave_a_round_without_a_draft(head_pair, greedy_ar):
     """With a floor above most of the head's top probabilities many chains are empty: those rounds
     are plain decode steps, and greedy output still equals AR."""
-    prompts = [PROMPT, [2, 4], [6, 1, 1, 0, 3], [5]]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    expected = [o.token_ids for o in LLM(head_pair["target"], deterministic=True).generate(prompts, params)]
     llm = LLM(head_pair["target"], mode="sd", draft=head_pair["draft"], k=3, draft_confidence=0.9,
               deterministic=True)
-    outs = llm.generate(prompts, params)
-    assert [o.token_ids for o in outs] == expected
+    outs = llm.generate(GREEDY_PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == greedy_ar
     proposed = sum(o.metrics["draft_tokens_proposed"] for o in outs)
     assert 0 < proposed < sum(o.metrics["spec_rounds"] for o in outs)  # some rounds proposed nothing
 
