@@ -1,10 +1,13 @@
 """The same engine on CUDA (skipped without a GPU): logits against transformers on the GPU,
-speculative decoding against AR, bf16 generation."""
+speculative decoding against AR (draft model, n-gram lookup, EAGLE-3 head; SD and SSD), lossless
+sampling with a reduced-vocabulary head and with SSD, bf16 generation, and training a head on the
+GPU."""
 
 import pytest
 import torch
+from eagle3_heads import HEAD_DRAFT_IDS
 from helpers import assert_greedy_match
-from lossless import NUM_TOKENS, SETTINGS, check, exact_joint, sample_ssd, ssd_models
+from lossless import NUM_TOKENS, PROMPT, SETTINGS, check, exact_joint, marginal, sample_ssd, ssd_models
 
 from specfork import LLM, SamplingParams
 
@@ -100,3 +103,78 @@ def test_cuda_ssd_sampling_is_lossless(tmp_path, backup):
     samples = sample_ssd(models, params_kw, backup, None, 6000, device="cuda")
     for name, (stat, dof, limit) in check(samples, joint).items():
         assert stat < limit, f"{backup} {name}: chi2 {stat:.1f} >= {limit:.1f} (dof {dof})"
+
+
+HEAD_PROMPTS = [PROMPT, [2, 4], [6, 1, 1, 0, 3], [5]]
+HEAD_GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.mark.parametrize("mode, k", [("sd", 3), ("sd", 5), ("ssd", 3)])
+def test_cuda_greedy_with_an_eagle3_head_equals_ar(head_pair, mode, k):
+    """The head reads the target's features captured on the GPU; SSD's drafter process gets them
+    over the pipe; greedy output equals AR on the GPU, batch 1 and 4."""
+    ar = LLM(head_pair["target"], device="cuda", deterministic=True).generate(HEAD_PROMPTS, HEAD_GREEDY)
+    with LLM(head_pair["target"], device="cuda", mode=mode, draft=head_pair["draft"], k=k,
+             deterministic=True) as llm:
+        for batch in ([HEAD_PROMPTS[0]], HEAD_PROMPTS):
+            outs = llm.generate(batch, HEAD_GREEDY)
+            assert [o.token_ids for o in outs] == [o.token_ids for o in ar[: len(batch)]]
+        if mode == "ssd":
+            assert llm.engine.step_strategy.proposer.failure is None
+    accepted = sum(o.metrics["draft_tokens_accepted"] for o in outs)
+    assert 0 < accepted < sum(o.metrics["draft_tokens_proposed"] for o in outs)
+
+
+def test_cuda_sd_with_a_reduced_vocabulary_head_is_lossless(head_pair):
+    """Draft probabilities scattered into the full vocabulary on the GPU: the target's tokens
+    outside the draft vocabulary keep their exact probability."""
+    params_kw = SETTINGS["temperature"]
+    joint = exact_joint(head_pair["hf_target"], SamplingParams(**params_kw), NUM_TOKENS)
+    assert sum(p for t, p in marginal(joint, (0,)).items() if t[0] not in HEAD_DRAFT_IDS) > 0.1
+    n = 6000
+    llm = LLM(head_pair["target"], device="cuda", mode="sd", draft=head_pair["draft"], k=3, max_num_seqs=512,
+              kv_cache_tokens=512 * 16)
+    outs = llm.generate([PROMPT] * n, [SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, seed=i, **params_kw)
+                                       for i in range(n)])
+    assert 0 < sum(o.metrics["draft_tokens_accepted"] for o in outs) < sum(
+        o.metrics["draft_tokens_proposed"] for o in outs)
+    for name, (stat, dof, limit) in check([tuple(o.token_ids) for o in outs], joint).items():
+        assert stat < limit, f"{name}: chi2 {stat:.1f} >= {limit:.1f} (dof {dof})"
+
+
+def test_cuda_trains_an_eagle3_head(tmp_path):
+    """``train-draft --kind eagle3 --device cuda`` on a tiny target: features captured on the GPU,
+    the head trained there (bf16 autocast), the loss falls and the saved head drafts in SD."""
+    import random
+
+    from builders import build_tiny_checkpoint
+
+    from specfork.training import pipeline
+    from specfork.training.data import Example
+    from specfork.training.settings import Eagle3Settings, TrainDraftJob, TrainSettings
+    from specfork.training.trainer import is_eval_example
+
+    target = build_tiny_checkpoint("llama-gqa-tied", tmp_path, seed=11).path
+    ids = [f"ex{i}" for i in range(200)]
+    held_out = [i for i in ids if is_eval_example(Example("test", i, [], []))][:3]
+    chosen = [i for i in ids if i not in held_out][:21] + held_out
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(4, 12))] for _ in chosen]
+    outputs = LLM(str(target), device="cuda").generate(prompts, SamplingParams(temperature=0.0, max_tokens=24,
+                                                                               ignore_eos=True))
+    examples = [Example("test", i, p, o.token_ids) for i, p, o in zip(chosen, prompts, outputs, strict=True)]
+    job = TrainDraftJob(
+        target=str(target), kind="eagle3", output=tmp_path / "head", work_dir=tmp_path / "work", device="cuda",
+        train=TrainSettings(epochs=6.0, batch_tokens=128, max_seq_len=48, lr=3e-3, warmup_steps=2,
+                            checkpoint_every=8),
+        eagle3=Eagle3Settings(ttt_steps=3, draft_vocab=128, feature_batch=4, shard_size=8),
+        eval_prompts=0, progress=False)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pipeline, "generate_data", lambda job, llm: examples)
+        result = pipeline.train_draft(job, command="test")
+    assert result["machine"]["device"] == "cuda" and result["head"]["matmul_dtype"] == "torch.bfloat16"
+    assert result["last_loss"] < result["first_loss"] - 0.5, result
+    sd = LLM(str(target), device="cuda", mode="sd", draft=str(job.output), k=3, deterministic=True)
+    ar = LLM(str(target), device="cuda", deterministic=True)
+    assert [o.token_ids for o in sd.generate(prompts[:4], HEAD_GREEDY)] == [
+        o.token_ids for o in ar.generate(prompts[:4], HEAD_GREEDY)]

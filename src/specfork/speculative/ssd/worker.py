@@ -35,6 +35,8 @@ def drafter_main(conn) -> None:
         pin_process(launch.cores or tuple(os.sched_getaffinity(0)), launch.threads)
         device = torch.device(launch.device)
         if device.type == "cuda":
+            if device.index is None:  # "cuda": the process's current GPU, named so that set_device takes it
+                device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(device)
         drafter = load_drafter(launch.draft, device)  # token ids only: no tokenizer
         core = DrafterCore(drafter, launch.settings, device, seed=launch.seed)
