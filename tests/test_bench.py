@@ -143,6 +143,16 @@ def test_sweep_grid_and_errors():
         BenchSettings(k="auto", modes=("ar", "ssd"))
     with pytest.raises(SpecforkError, match="k must be an integer >= 1 or auto"):
         BenchSettings(k="three")
+    with pytest.raises(SpecforkError, match="device must be 'cpu' or 'cuda"):
+        BenchSettings(device="tpu")
+
+
+def test_bench_runs_specfork_on_the_chosen_device():
+    from specfork.bench.runner import _cell_settings, _engine_options
+
+    s = BenchSettings(device="cuda:1")
+    assert all(_engine_options(mode, s)["device"] == "cuda:1" for mode in ("ar", "sd", "ssd", "ngram"))
+    assert _cell_settings("ar", s)["device"] == "cuda:1" and "device" not in _cell_settings("ar", BenchSettings())
 
 
 def test_bench_cli_sweep_and_all_rows(tiny, tmp_path, capsys):

@@ -50,6 +50,7 @@ class BenchSettings:
                               "torch.distributed world (--drafter-rank)", choices=SSD_DRAFTERS)
     weights: str = option("native", "specfork runs: the engine's --weights (native-int8: int8 activations)",
                           choices=WEIGHTS)
+    device: str = option("cpu", "specfork runs: the engine's device, cpu or cuda[:N] (peers run on the CPU)")
     threads: int | None = option(None, "torch threads for AR/SD and peers (default: torch's)")
     repeat: int = option(1, "timed runs; the median is reported")
     warmup: int = option(1, "untimed warm-up runs")
@@ -77,6 +78,8 @@ class BenchSettings:
             raise SpecforkError(f"k must be an integer >= 1 or auto, got {self.k!r}")
         if self.weights not in WEIGHTS:
             raise SpecforkError(f"weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
+        if self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise SpecforkError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.ssd_drafter not in SSD_DRAFTERS:
             raise SpecforkError(f"ssd_drafter must be one of {', '.join(SSD_DRAFTERS)}, got {self.ssd_drafter!r}")
         for name in ("num_prompts", "output_len", "fan_out", "batch_size", "repeat", "tensor_parallel_size") + (("k",) if self.k != "auto" else ()):

@@ -49,13 +49,21 @@ class StepCosts:
 
 
 def time_call(fn: Callable[[], object], repeat: int = 5) -> float:
+    """Median wall time of ``fn``; on CUDA each call is waited for, since kernels run asynchronously."""
     fn()  # warm-up
     samples = []
     for _ in range(repeat):
+        _wait_for_gpu()
         t = time.perf_counter()
         fn()
+        _wait_for_gpu()
         samples.append(time.perf_counter() - t)
     return statistics.median(samples)
+
+
+def _wait_for_gpu() -> None:
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def measure_forward(runner, block_manager, rows: int, context: int = 64) -> float:
