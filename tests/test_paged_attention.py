@@ -1,7 +1,8 @@
 """The native paged-attention kernel (decode and verification steps) against a float64 reference:
-GQA, contexts split into several chunks, head sizes on and off the vector width, and batch
+GQA, contexts split into several chunks, head sizes on and off the vector width, batch
 invariance (a query's output is bit-identical alone, inside a verification window of its
-sequence, or next to other sequences' queries)."""
+sequence, or next to other sequences' queries), and identical results on every instruction set
+this CPU runs (portable C++, AVX2, AVX-512)."""
 
 from __future__ import annotations
 
@@ -75,3 +76,35 @@ def test_native_paged_attention_reads_each_querys_own_keys():
     cache.view(2, -1, 3, 64)[:, slot] += 1.0
     after = kernels().paged_attention_decode(q[window], cache, tables, seq_of[window], pos_of[window], 0.125)
     assert torch.equal(after[:-1], before[:-1]) and not torch.equal(after[-1], before[-1])
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_dim, heads, kv_heads, dtype", [
+    (64, 9, 3, torch.float32), (64, 9, 3, torch.float16), (128, 4, 1, torch.float32), (20, 9, 3, torch.float32),
+    (64, 4, 4, torch.float32)])
+def test_every_instruction_set_gives_identical_attention(head_dim, heads, kv_heads, dtype):
+    """The portable loops, AVX2 (one query and head at a time) and AVX-512 (two at a time, paired
+    when they see the same number of keys) run the same float operations in the same order: bit
+    for bit equal, for decode queries, verification windows whose queries pair and do not, keys
+    past the last whole block of 8 (the exp tail), scores far below the max (the exp floor), and
+    without GQA (pairs across queries)."""
+    gen = torch.Generator().manual_seed(head_dim + heads)
+    num_blocks, bs = 80, 16
+    cache = torch.randn(2, num_blocks, bs, kv_heads, head_dim, generator=gen).to(dtype)
+    tables = torch.randperm(num_blocks, generator=gen)[:78].view(2, 39)
+    positions = [0, 3, 7, 8, 130, 255, 256, 600] + list(range(120, 128)) + [129, 131, 140] + list(range(300, 306))
+    seq_of = torch.tensor([i % 2 for i in range(8)] + [0] * 8 + [1] * 3 + [0] * 6)
+    pos_of = torch.tensor(positions)
+    q = torch.randn(len(positions), heads, head_dim, generator=gen) * 3
+    q[-1] *= 40  # scores that span more than the exp floor (-87) below their max
+    isas = kernels().supported_isas()
+    assert isas[0] == "portable"
+    reference = kernels().paged_attention_decode_isa(q, cache, tables, seq_of, pos_of, 0.125, "portable")
+    exact = _reference(q, cache.float(), tables, seq_of, pos_of, 0.125)
+    assert float((reference.double() - exact).abs().max()) <= 2e-5
+    for isa in isas[1:]:
+        assert torch.equal(kernels().paged_attention_decode_isa(q, cache, tables, seq_of, pos_of, 0.125, isa),
+                           reference), isa
+    assert torch.equal(kernels().paged_attention_decode(q, cache, tables, seq_of, pos_of, 0.125), reference)
+    with pytest.raises(RuntimeError, match="unknown instruction set"):
+        kernels().paged_attention_decode_isa(q, cache, tables, seq_of, pos_of, 0.125, "sse9")

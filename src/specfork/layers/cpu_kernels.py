@@ -35,7 +35,7 @@ def keyed_directory() -> Path:
     import torch
 
     digest = hashlib.sha256(torch.__version__.encode() + repr(FLAGS).encode())
-    for path in [_CSRC / name for name in SOURCES] + [_CSRC / "kernels.h", _CSRC / "quant_gemm_tiles.inc"]:
+    for path in [_CSRC / name for name in SOURCES] + sorted(_CSRC.glob("*.h")) + sorted(_CSRC.glob("*.inc")):
         digest.update(path.name.encode() + path.read_bytes())
     return build_directory() / f"kernels-{digest.hexdigest()[:16]}"
 

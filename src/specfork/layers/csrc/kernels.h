@@ -25,6 +25,10 @@ torch::Tensor quant_linear_isa(const torch::Tensor& x, const torch::Tensor& unit
                                const c10::optional<torch::Tensor>& bias, const std::string& isa);
 std::string kernel_isa();
 std::vector<std::string> supported_isas();
+// The same sets by index (0 portable, 1 avx2, 2 avx512, 3 avx512-vnni), for the other kernels: the
+// best this CPU runs, and a named one (an error if unknown or not run here).
+int64_t best_isa_index();
+int64_t isa_index(const std::string& name);
 
 // rms_norm.cpp
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
@@ -33,6 +37,10 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 torch::Tensor paged_attention_decode(const torch::Tensor& q, const torch::Tensor& cache,
                                      const torch::Tensor& block_tables, const torch::Tensor& seq_of,
                                      const torch::Tensor& pos_of, double scale);
+// The same on a named instruction set (the names of supported_isas(); all give identical results).
+torch::Tensor paged_attention_decode_isa(const torch::Tensor& q, const torch::Tensor& cache,
+                                         const torch::Tensor& block_tables, const torch::Tensor& seq_of,
+                                         const torch::Tensor& pos_of, double scale, const std::string& isa);
 
 // decoder_layer.cpp: one Llama decoder layer of a decode or verification step, in one call.
 // attn_in: an empty tensor for a Llama layer (attention reads rms_norm(x)), or the attention's input

@@ -308,15 +308,21 @@ std::vector<std::string> supported_isas() {
   return names;
 }
 
+int64_t best_isa_index() { return best_isa(); }
+
+int64_t isa_index(const std::string& name) {
+  int64_t isa = -1;
+  for (int64_t i = 0; i < kNumIsas; ++i)
+    if (name == kIsaNames[i]) isa = i;
+  TORCH_CHECK(isa >= 0, "unknown instruction set ", name);
+  TORCH_CHECK(isa_supported(isa), "this CPU does not run ", name);
+  return isa;
+}
+
 torch::Tensor quant_linear_isa(const torch::Tensor& x_in, const torch::Tensor& units, const torch::Tensor& scales,
                                const torch::Tensor& offsets, int64_t n_out, int64_t format,
                                const c10::optional<torch::Tensor>& bias, const std::string& isa_name) {
-  int64_t isa = -1;
-  for (int64_t i = 0; i < kNumIsas; ++i)
-    if (isa_name == kIsaNames[i]) isa = i;
-  TORCH_CHECK(isa >= 0, "quant_linear: unknown instruction set ", isa_name);
-  TORCH_CHECK(isa_supported(isa), "quant_linear: this CPU does not run ", isa_name);
-  return quant_linear_impl(x_in, units, scales, offsets, n_out, format, bias, isa);
+  return quant_linear_impl(x_in, units, scales, offsets, n_out, format, bias, isa_index(isa_name));
 }
 
 namespace {
