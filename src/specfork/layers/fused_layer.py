@@ -3,8 +3,9 @@
 Driven from Python, a decode step of a small model spends about as long in per-op overhead (some
 25 tensor ops and 8 module calls per layer) as in the work itself. ``csrc/decoder_layer.cpp`` runs
 a whole Llama decoder layer (norms, the four quantised projections, rotary, KV-cache write, paged
-attention, SiLU gating, residuals) in one call, with the same kernels and element-wise arithmetic
-as the module path, so its output is bit-identical to it. It serves steps that use the native
+attention, SiLU gating, residuals) in one call and one OpenMP parallel region (the threads meet at
+barriers between stages), with the same kernels and element-wise arithmetic as the module path, so
+its output is bit-identical to it. It serves steps that use the native
 paged-attention kernel (``AttentionMetadata.native_decode``) on layers whose projections all run
 the native quantised kernel; anything else takes the module path.
 

@@ -1,118 +1,294 @@
-// One Llama decoder layer of a decode or verification step, in one call from Python:
+// Llama decoder layers of a decode or verification step in one call from Python, run by one OpenMP
+// team in one parallel region:
 //   h = x + o_proj(attention(rope(q), rope(k), v))   with q, k, v = qkv_proj(rms_norm(x)) (or of attn_in)
 //   y = h + down_proj(silu(gate) * up)               with gate, up = gate_up_proj(rms_norm(h))
-// A decode step of a small model is dominated by per-op overhead when driven from Python (about 25
-// tensor ops and 8 module calls per layer, ~160 us per layer measured here against ~200 us of actual
-// work). This chains the same kernels (quant_linear, rms_norm, paged_attention_decode) and the same
-// element-wise arithmetic in C++, so its result is bit-identical to the Python path
-// (tests/test_fused_layer.py): the rotation is x * cos + roll(x) * sin_signed with separate roundings
-// (the extension is compiled with -ffp-contract=off), the residual adds are plain float adds, and
-// silu(gate) * up uses ATen's own ops.
-#include "kernels.h"
+//
+// Driven from Python a decode step of a small model spent about as long in per-op overhead as in the
+// work; chained from C++ with a kernel call per projection it still opened five parallel regions per
+// layer (150 a step), allocated a dozen tensors per layer, and left the second thread idle about a
+// third of the time. Here the team enters one region for the whole call and the threads meet at a
+// barrier between dependent stages: each stage splits its work (rows, (token, head) pairs, output
+// tiles, attention items) evenly over the threads, all scratch memory is allocated once per call, and
+// a thread that finishes a row-wise stage goes straight on to the next stage of the same rows.
+//
+// The stages run the kernels' own code on ranges (forward_parts.h) and the same element-wise
+// arithmetic as the module path, so the result is bit-identical to it (tests/test_fused_layer.py):
+// the rotation is x * cos + roll(x) * sin_signed with separate roundings (the extension is compiled
+// with -ffp-contract=off), the residual adds are plain float adds, and silu(gate) * up uses ATen's
+// own ops. No stage's result depends on how the work is split, so neither does the output.
+#include "forward_parts.h"
 
+#include <ATen/Parallel.h>
+#include <omp.h>
+
+#include <algorithm>
 #include <cstring>
 
 namespace {
 
-// The block-quantised projection number i of the layer: weights[2 + 4i ..] = units, scales, offsets,
-// bias (an empty tensor for none); formats[2i ..] = n_out, format.
-torch::Tensor project(int i, const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
-                      const std::vector<int64_t>& formats) {
-  const auto& bias = weights[2 + 4 * i + 3];
-  return quant_linear(x, weights[2 + 4 * i], weights[2 + 4 * i + 1], weights[2 + 4 * i + 2], formats[2 * i],
-                      formats[2 * i + 1], bias.numel() ? c10::optional<torch::Tensor>(bias) : c10::nullopt);
+// This thread's share [begin, end) of n items split evenly over the team.
+struct Range {
+  int64_t begin, end;
+};
+Range share(int64_t n) {
+  const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
+  const int64_t per = n / threads, extra = n % threads;
+  const int64_t begin = me * per + std::min(me, extra);
+  return {begin, begin + per + (me < extra ? 1 : 0)};
 }
+
+inline void barrier() {
+#pragma omp barrier
+}
+
+// The weights of one layer: weights = {input norm, post-attention norm, then units, scales, offsets,
+// bias (an empty tensor for none) of qkv, o, gate_up, down}; formats = {n_out, format} of each.
+struct LayerWeights {
+  const float* input_norm;
+  const float* post_norm;
+  parts::QuantWeight qkv, o, gate_up, down;
+};
+
+// The shapes every layer of a call shares.
+struct Shapes {
+  int64_t T, H, Hq, Hkv, D, inter, attn_width;  // attn_width: qkv's inputs (H, or attn_in's width)
+};
+
+LayerWeights layer_weights(const std::vector<torch::Tensor>& w, const std::vector<int64_t>& f, const Shapes& s) {
+  TORCH_CHECK(w.size() == 18 && f.size() == 8, "decoder layer: 2 norms + 4 projections");
+  for (int i = 0; i < 2; ++i)
+    TORCH_CHECK(w[i].scalar_type() == torch::kFloat32 && w[i].is_contiguous() && w[i].numel() == s.H,
+                "decoder layer: the norms must be float32 of the hidden size");
+  const auto projection = [&](int i) {
+    const auto& bias = w[2 + 4 * i + 3];
+    return parts::quant_weight(w[2 + 4 * i], w[2 + 4 * i + 1], w[2 + 4 * i + 2], f[2 * i], f[2 * i + 1],
+                               bias.numel() ? &bias : nullptr);
+  };
+  LayerWeights lw{w[0].data_ptr<float>(), w[1].data_ptr<float>(), projection(0), projection(1), projection(2),
+                  projection(3)};
+  TORCH_CHECK(lw.qkv.K == s.attn_width && lw.qkv.n_out == (s.Hq + 2 * s.Hkv) * s.D, "qkv projection is ", lw.qkv.K,
+              " -> ", lw.qkv.n_out);
+  TORCH_CHECK(lw.o.K == s.Hq * s.D && lw.o.n_out == s.H, "o projection has ", lw.o.n_out, " outputs, the hidden size is ", s.H);
+  TORCH_CHECK(lw.gate_up.K == s.H && lw.gate_up.n_out == 2 * s.inter, "gate_up projection is ", lw.gate_up.K, " -> ",
+              lw.gate_up.n_out);
+  TORCH_CHECK(lw.down.K == s.inter && lw.down.n_out == s.H, "down projection has ", lw.down.n_out, " outputs");
+  return lw;
+}
+
+// Scratch memory of a call, sized for T rows: every stage's output, and the rounded activations of
+// the projection in flight.
+struct Scratch {
+  torch::Tensor memory;
+  float *normed, *qkv, *attn, *h, *gate_up, *act, *rounded;
+
+  Scratch(const Shapes& s, const std::vector<LayerWeights>& layers) {
+    int64_t rounded_words = 0;
+    for (const auto& l : layers)
+      for (const auto* w : {&l.qkv, &l.o, &l.gate_up, &l.down})
+        rounded_words = std::max(rounded_words, parts::rounded_words(*w, s.T));
+    const int64_t sizes[] = {s.T * s.H, s.T * (s.Hq + 2 * s.Hkv) * s.D, s.T * s.Hq * s.D, s.T * s.H,
+                             s.T * 2 * s.inter, s.T * s.inter, rounded_words};
+    int64_t total = 0;
+    for (int64_t n : sizes) total += (n + 15) / 16 * 16;  // 64-byte aligned starts
+    memory = torch::empty({total}, torch::kFloat32);
+    float* p = memory.data_ptr<float>();
+    float** slots[] = {&normed, &qkv, &attn, &h, &gate_up, &act, &rounded};
+    for (int i = 0; i < 7; ++i) {
+      *slots[i] = p;
+      p += (sizes[i] + 15) / 16 * 16;
+    }
+  }
+};
+
+// What a call's layers share besides the weights.
+struct Step {
+  Shapes s;
+  float eps;
+  const float* cos;  // [T, D]
+  const float* sin;
+  const int64_t* slot;  // cache slot of each token
+  int64_t isa;
+  parts::AttentionPlan* plan;
+  Scratch* scratch;
+};
+
+// Round rows r of x for projection w (into the scratch's rounded rows).
+parts::RoundedRows round_for(const Step& st, const parts::QuantWeight& w, const float* x, Range r) {
+  const auto rows = parts::rounded_rows_in(st.scratch->rounded, w, st.s.T);
+  parts::round_rows(w, x, st.s.T, rows, r.begin * w.groups, r.end * w.groups);
+  return rows;
+}
+
+// This thread's tiles of projection w of the rounded rows.
+void project(const Step& st, const parts::QuantWeight& w, const parts::RoundedRows& rows, float* y) {
+  const auto tiles = share(w.tiles);
+  parts::project_tiles(st.isa, w, rows, st.s.T, y, tiles.begin, tiles.end);
+}
+
+// New keys and values into their cache slots (rounded to nearest-even for a float16 cache, as
+// Tensor.to(float16) rounds on the module path).
+template <typename Elem>
+void store_kv(const float* k, const float* v, Elem* cache, int64_t slots_total, int64_t slot, int64_t kvh,
+              int64_t Hkv, int64_t D) {
+  Elem* kc = cache + (slot * Hkv + kvh) * D;
+  Elem* vc = kc + slots_total * Hkv * D;
+  for (int64_t i = 0; i < D; ++i) {
+    kc[i] = static_cast<Elem>(k[i]);
+    vc[i] = static_cast<Elem>(v[i]);
+  }
+}
+
+// One layer, run by every thread of the team: x [T, H] -> y [T, H]. attn_in: what attention reads
+// instead of rms_norm(x) (nullptr for a Llama layer). On return this thread's rows of y are final;
+// the other rows are final once the team next meets.
+void run_layer(const Step& st, const LayerWeights& w, const float* x, const float* attn_in,
+               const torch::Tensor& cache, float* y) {
+  const Shapes& s = st.s;
+  Scratch& m = *st.scratch;
+  const Range rows = share(s.T);
+  const int64_t width = (s.Hq + 2 * s.Hkv) * s.D;
+
+  // attention block: its input rounded for qkv
+  const float* a = attn_in;
+  if (a == nullptr) {
+    parts::rms_norm_rows(x, w.input_norm, m.normed, s.H, st.eps, rows.begin, rows.end);
+    a = m.normed;
+  }
+  auto rounded = round_for(st, w.qkv, a, rows);
+  barrier();
+  project(st, w.qkv, rounded, m.qkv);
+  barrier();
+  // rotate the q and k heads: x * cos + roll(x, D / 2) * sin_signed; then the cache takes k and v
+  const Range heads = share(s.T * (s.Hq + s.Hkv));
+  const int64_t half = s.D / 2, slots_total = cache.size(1) * cache.size(2);
+  std::vector<float> head(s.D);
+  for (int64_t i = heads.begin; i < heads.end; ++i) {
+    const int64_t t = i / (s.Hq + s.Hkv), hd = i % (s.Hq + s.Hkv);
+    float* v = m.qkv + t * width + hd * s.D;
+    const float* c = st.cos + t * s.D;
+    const float* sn = st.sin + t * s.D;
+    std::memcpy(head.data(), v, s.D * sizeof(float));
+    for (int64_t j = 0; j < s.D; ++j) {
+      const float p = head[j] * c[j];
+      const float q = head[(j + half) % s.D] * sn[j];
+      v[j] = p + q;
+    }
+    if (hd >= s.Hq) {
+      const int64_t kvh = hd - s.Hq;
+      const float* value = m.qkv + t * width + (s.Hq + s.Hkv + kvh) * s.D;
+      if (cache.scalar_type() == torch::kHalf)
+        store_kv(v, value, cache.data_ptr<at::Half>(), slots_total, st.slot[t], kvh, s.Hkv, s.D);
+      else
+        store_kv(v, value, cache.data_ptr<float>(), slots_total, st.slot[t], kvh, s.Hkv, s.D);
+    }
+  }
+  barrier();
+  const Range items = share(static_cast<int64_t>(st.plan->items.size()));
+  parts::attention_items(st.isa, *st.plan, m.qkv, width, cache, items.begin, items.end);
+  barrier();
+  parts::merge_attention(*st.plan, m.attn, rows.begin, rows.end);
+  rounded = round_for(st, w.o, m.attn, rows);
+  barrier();
+  project(st, w.o, rounded, m.h);
+  barrier();
+
+  // MLP block: h = x + o, its norm rounded for gate_up
+  for (int64_t i = rows.begin * s.H; i < rows.end * s.H; ++i) m.h[i] = x[i] + m.h[i];
+  parts::rms_norm_rows(m.h, w.post_norm, m.normed, s.H, st.eps, rows.begin, rows.end);
+  rounded = round_for(st, w.gate_up, m.normed, rows);
+  barrier();
+  project(st, w.gate_up, rounded, m.gate_up);
+  barrier();
+  if (rows.end > rows.begin) {  // silu(gate) * up with ATen's ops, as the module path
+    const auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
+    const int64_t n = rows.end - rows.begin;
+    const auto gate_up = torch::from_blob(m.gate_up + rows.begin * 2 * s.inter, {n, 2 * s.inter}, f32);
+    auto act = torch::from_blob(m.act + rows.begin * s.inter, {n, s.inter}, f32);
+    at::silu_out(act, gate_up.narrow(1, 0, s.inter));
+    act.mul_(gate_up.narrow(1, s.inter, s.inter));
+  }
+  rounded = round_for(st, w.down, m.act, rows);
+  barrier();
+  project(st, w.down, rounded, y);
+  barrier();
+  for (int64_t i = rows.begin * s.H; i < rows.end * s.H; ++i) y[i] = m.h[i] + y[i];
+}
+
+// Everything a call needs before its team starts: shapes, weights and attention plan checked (no
+// error may leave a parallel region).
+struct Call {
+  Shapes s;
+  std::vector<LayerWeights> layers;
+  torch::Tensor cos, sin, slots, tables, seqs, poss;
+  parts::AttentionPlan plan;
+  std::unique_ptr<Scratch> scratch;
+  Step step;
+
+  Call(const torch::Tensor& x, int64_t attn_width, const std::vector<std::vector<torch::Tensor>>& weights,
+       const std::vector<std::vector<int64_t>>& formats, const std::vector<torch::Tensor>& caches,
+       const torch::Tensor& cos_in, const torch::Tensor& sin_in, const torch::Tensor& block_tables,
+       const torch::Tensor& seq_of, const torch::Tensor& pos_of, const torch::Tensor& slot_mapping,
+       int64_t num_heads, int64_t num_kv_heads, double eps, double scale)
+      : cos(cos_in.contiguous()), sin(sin_in.contiguous()), slots(slot_mapping.contiguous()),
+        tables(block_tables.contiguous()), seqs(seq_of.contiguous()), poss(pos_of.contiguous()) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be [T, H] float32");
+    TORCH_CHECK(!weights.empty() && formats.size() == weights.size() && caches.size() == weights.size(),
+                "decoder layers: one cache and format list per layer");
+    const auto& cache0 = caches[0];
+    for (const auto& cache : caches)
+      TORCH_CHECK(cache.dim() == 5 && cache.is_contiguous() && cache.sizes() == cache0.sizes() &&
+                      cache.scalar_type() == cache0.scalar_type() &&
+                      (cache.scalar_type() == torch::kFloat32 || cache.scalar_type() == torch::kHalf),
+                  "bad cache");
+    const int64_t T = x.size(0), D = cache0.size(4);
+    TORCH_CHECK(cache0.size(3) == num_kv_heads && D % 2 == 0 && num_heads % num_kv_heads == 0,
+                "cache shape disagrees with the heads");
+    TORCH_CHECK(cos.numel() == T * D && sin.numel() == T * D && slots.numel() == T &&
+                    cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 &&
+                    slots.scalar_type() == torch::kInt64,
+                "rope tables / slots: one per token");
+    const int64_t slots_total = cache0.size(1) * cache0.size(2);
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < slots_total, "cache slot out of range");
+    const int64_t inter = formats[0].size() == 8 ? formats[0][4] / 2 : 0;
+    s = Shapes{T, x.size(1), num_heads, num_kv_heads, D, inter, attn_width};
+    for (size_t i = 0; i < weights.size(); ++i) layers.push_back(layer_weights(weights[i], formats[i], s));
+    TORCH_CHECK(seqs.numel() == T, "one sequence index and position per token");
+    plan = parts::plan_attention(tables, seqs, poss, num_heads, num_kv_heads, D, cache0.size(2));
+    plan.scale = static_cast<float>(scale);
+    scratch = std::make_unique<Scratch>(s, layers);
+    step = Step{s, static_cast<float>(eps), cos.data_ptr<float>(), sin.data_ptr<float>(), slot, best_isa_index(),
+                &plan, scratch.get()};
+  }
+};
 
 }  // namespace
 
-torch::Tensor decoder_layer_decode(const torch::Tensor& x, const torch::Tensor& attn_in,
+torch::Tensor decoder_layer_decode(const torch::Tensor& x_in, const torch::Tensor& attn_in,
                                    const std::vector<torch::Tensor>& weights,
-                                   const std::vector<int64_t>& formats, const torch::Tensor& cos_in,
-                                   const torch::Tensor& sin_in, const torch::Tensor& cache,
+                                   const std::vector<int64_t>& formats, const torch::Tensor& cos,
+                                   const torch::Tensor& sin, const torch::Tensor& cache,
                                    const torch::Tensor& block_tables, const torch::Tensor& seq_of,
-                                   const torch::Tensor& pos_of, const torch::Tensor& slot_mapping_in,
+                                   const torch::Tensor& pos_of, const torch::Tensor& slot_mapping,
                                    int64_t num_heads, int64_t num_kv_heads, double eps, double scale) {
-  TORCH_CHECK(weights.size() == 18 && formats.size() == 8, "decoder_layer_decode: 2 norms + 4 projections");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be [T, H] float32");
-  TORCH_CHECK(cache.dim() == 5 && cache.is_contiguous() &&
-                  (cache.scalar_type() == torch::kFloat32 || cache.scalar_type() == torch::kHalf),
-              "bad cache");
-  const int64_t T = x.size(0), D = cache.size(4), Hq = num_heads, Hkv = num_kv_heads;
-  TORCH_CHECK(cache.size(3) == Hkv && D % 2 == 0, "cache shape disagrees with the heads");
-  const auto cos = cos_in.contiguous(), sin = sin_in.contiguous(), slots = slot_mapping_in.contiguous();
-  TORCH_CHECK(cos.numel() == T * D && sin.numel() == T * D && slots.numel() == T, "rope tables / slots: one per token");
-
-  // attention block
+  const auto x = x_in.contiguous();
+  torch::Tensor a;
   if (attn_in.numel()) {
-    TORCH_CHECK(attn_in.dim() == 2 && attn_in.size(0) == T && attn_in.scalar_type() == torch::kFloat32,
+    a = attn_in.contiguous();
+    TORCH_CHECK(a.dim() == 2 && a.size(0) == x.size(0) && a.scalar_type() == torch::kFloat32,
                 "attn_in must be [T, K] float32");
   }
-  const auto attn_input = attn_in.numel() ? attn_in.contiguous() : rms_norm(x, weights[0], eps);
-  auto qkv = project(0, attn_input, weights, formats);  // [T, (Hq + 2 Hkv) * D]
-  TORCH_CHECK(qkv.size(1) == (Hq + 2 * Hkv) * D, "qkv projection has ", qkv.size(1), " outputs");
-  float* qp = qkv.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  const int64_t half = D / 2, width = (Hq + 2 * Hkv) * D;
-  std::vector<float> head(D);
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t h = 0; h < Hq + Hkv; ++h) {  // rotate q and k heads: x * cos + roll(x, D / 2) * sin_signed
-      float* v = qp + t * width + h * D;
-      std::memcpy(head.data(), v, D * sizeof(float));
-      for (int64_t i = 0; i < D; ++i) {
-        const float a = head[i] * cp[t * D + i];
-        const float b = head[(i + half) % D] * sp[t * D + i];
-        v[i] = a + b;
-      }
-    }
-  }
-  // new keys and values into their cache slots (rounded to nearest-even for a float16 cache, as
-  // Tensor.to(float16) rounds on the module path)
-  const int64_t slots_total = cache.size(1) * cache.size(2);
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(slot[t] >= 0 && slot[t] < slots_total, "cache slot out of range");
-  if (cache.scalar_type() == torch::kFloat32) {
-    float* kc = cache.data_ptr<float>();
-    float* vc = kc + slots_total * Hkv * D;
-    for (int64_t t = 0; t < T; ++t) {
-      std::memcpy(kc + slot[t] * Hkv * D, qp + t * width + Hq * D, Hkv * D * sizeof(float));
-      std::memcpy(vc + slot[t] * Hkv * D, qp + t * width + (Hq + Hkv) * D, Hkv * D * sizeof(float));
-    }
-  } else {
-    at::Half* kc = cache.data_ptr<at::Half>();
-    at::Half* vc = kc + slots_total * Hkv * D;
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t i = 0; i < Hkv * D; ++i) {
-        kc[slot[t] * Hkv * D + i] = static_cast<at::Half>(qp[t * width + Hq * D + i]);
-        vc[slot[t] * Hkv * D + i] = static_cast<at::Half>(qp[t * width + (Hq + Hkv) * D + i]);
-      }
-  }
-  const auto q = qkv.view({T, Hq + 2 * Hkv, D}).narrow(1, 0, Hq);
-  const auto attn = paged_attention_decode(q, cache, block_tables, seq_of, pos_of, scale).view({T, Hq * D});
-  auto h = project(1, attn, weights, formats);
-  TORCH_CHECK(h.sizes() == x.sizes(), "o projection has ", h.size(1), " outputs, the hidden size is ", x.size(1));
-  {
-    float* hp = h.data_ptr<float>();
-    const float* xp = x.data_ptr<float>();
-    for (int64_t i = 0; i < x.numel(); ++i) hp[i] = xp[i] + hp[i];
-  }
-
-  // MLP block
-  const auto gate_up = project(2, rms_norm(h, weights[1], eps), weights, formats);
-  const int64_t inter = gate_up.size(1) / 2;
-  const auto act = at::silu(gate_up.narrow(1, 0, inter)).mul_(gate_up.narrow(1, inter, inter));
-  auto y = project(3, act, weights, formats);
-  TORCH_CHECK(y.sizes() == h.sizes(), "down projection has ", y.size(1), " outputs");
-  float* yp = y.data_ptr<float>();
-  const float* hp = h.data_ptr<float>();
-  for (int64_t i = 0; i < y.numel(); ++i) yp[i] = hp[i] + yp[i];
+  Call call(x, a.defined() ? a.size(1) : x.size(1), {weights}, {formats}, {cache}, cos, sin, block_tables, seq_of,
+            pos_of, slot_mapping, num_heads, num_kv_heads, eps, scale);
+  auto y = torch::empty_like(x);
+  const float* ap = a.defined() ? a.data_ptr<float>() : nullptr;
+#pragma omp parallel num_threads(at::get_num_threads())
+  run_layer(call.step, call.layers[0], x.data_ptr<float>(), ap, cache, y.data_ptr<float>());
   return y;
 }
 
-// Every decoder layer of a decode or verification step, then the final norm, in one call (no return
-// to Python between layers): the same decoder_layer_decode per layer, so bit-identical to calling it
-// layer by layer. Returns {hidden after the final norm} and, with `capture` (layer indices), the
+// Every decoder layer of a decode or verification step, then the final norm, in one call and one
+// parallel region. Returns {hidden after the final norm} and, with `capture` (layer indices), the
 // inputs of those layers concatenated in that order ([T, |capture| H]: an EAGLE-3 head's features).
 std::vector<torch::Tensor> decoder_stack_decode(
     const torch::Tensor& x_in, const std::vector<std::vector<torch::Tensor>>& layer_weights,
@@ -120,21 +296,36 @@ std::vector<torch::Tensor> decoder_stack_decode(
     const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& block_tables, const torch::Tensor& seq_of,
     const torch::Tensor& pos_of, const torch::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads,
     double eps, double scale, const std::vector<int64_t>& capture, const torch::Tensor& final_norm, double final_eps) {
-  const size_t L = layer_weights.size();
-  TORCH_CHECK(layer_formats.size() == L && caches.size() == L, "decoder_stack_decode: one cache and format list per layer");
-  std::vector<torch::Tensor> captured(capture.size());
-  const auto llama_attention = torch::empty({0});  // attention reads rms_norm(x)
-  auto x = x_in.contiguous();
-  for (size_t i = 0; i < L; ++i) {
-    for (size_t c = 0; c < capture.size(); ++c)
-      if (capture[c] == static_cast<int64_t>(i)) captured[c] = x;
-    x = decoder_layer_decode(x, llama_attention, layer_weights[i], layer_formats[i], cos, sin, caches[i], block_tables,
-                             seq_of, pos_of, slot_mapping, num_heads, num_kv_heads, eps, scale);
+  const auto x = x_in.contiguous();
+  Call call(x, x.size(1), layer_weights, layer_formats, caches, cos, sin, block_tables, seq_of, pos_of, slot_mapping,
+            num_heads, num_kv_heads, eps, scale);
+  const int64_t L = static_cast<int64_t>(layer_weights.size()), T = x.size(0), H = x.size(1);
+  for (int64_t c : capture)
+    TORCH_CHECK(c >= 0 && c < L, "decoder_stack_decode: capture names a layer it does not have");
+  TORCH_CHECK(final_norm.scalar_type() == torch::kFloat32 && final_norm.is_contiguous() && final_norm.numel() == H,
+              "decoder_stack_decode: bad final norm");
+  auto buffers = torch::empty({2, T, H}, x.options());
+  auto hidden = torch::empty_like(x);
+  auto features = torch::empty({T, static_cast<int64_t>(capture.size()) * H}, x.options());
+  const int64_t width = features.size(1);
+  float* feature_rows = features.data_ptr<float>();
+  const float* norm = final_norm.data_ptr<float>();
+  const float feps = static_cast<float>(final_eps);
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    const Range rows = share(T);
+    const float* in = x.data_ptr<float>();
+    for (int64_t i = 0; i < L; ++i) {
+      for (size_t c = 0; c < capture.size(); ++c)
+        if (capture[c] == i)
+          for (int64_t t = rows.begin; t < rows.end; ++t)
+            std::memcpy(feature_rows + t * width + c * H, in + t * H, H * sizeof(float));
+      float* out = buffers.data_ptr<float>() + (i % 2) * T * H;
+      run_layer(call.step, call.layers[i], in, nullptr, caches[i], out);
+      in = out;
+    }
+    parts::rms_norm_rows(in, norm, hidden.data_ptr<float>(), H, feps, rows.begin, rows.end);
   }
-  std::vector<torch::Tensor> out{rms_norm(x, final_norm, final_eps)};
-  if (!capture.empty()) {
-    for (const auto& c : captured) TORCH_CHECK(c.defined(), "decoder_stack_decode: capture names a layer it does not have");
-    out.push_back(torch::cat(captured, 1));
-  }
-  return out;
+  if (capture.empty()) return {hidden};
+  return {hidden, features};
 }

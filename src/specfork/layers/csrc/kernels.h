@@ -1,5 +1,6 @@
 // The native CPU kernels, compiled together into one extension (bindings.cpp exposes them to Python;
-// decoder_layer.cpp chains them). Each is optional: without a compiler the PyTorch paths run instead.
+// decoder_layer.cpp runs their work ranges, forward_parts.h, inside one parallel region). Each is optional:
+// without a compiler the PyTorch paths run instead.
 #pragma once
 
 #include <torch/extension.h>
@@ -42,7 +43,8 @@ torch::Tensor paged_attention_decode_isa(const torch::Tensor& q, const torch::Te
                                          const torch::Tensor& block_tables, const torch::Tensor& seq_of,
                                          const torch::Tensor& pos_of, double scale, const std::string& isa);
 
-// decoder_layer.cpp: one Llama decoder layer of a decode or verification step, in one call.
+// decoder_layer.cpp: one Llama decoder layer of a decode or verification step, in one call and one
+// parallel region.
 // attn_in: an empty tensor for a Llama layer (attention reads rms_norm(x)), or the attention's input
 // itself for a layer whose attention reads something else than its residual (EAGLE-3's head: the
 // normed token embedding and the normed feature side by side, 2 H wide).
@@ -54,7 +56,8 @@ torch::Tensor decoder_layer_decode(const torch::Tensor& x, const torch::Tensor& 
                                    const torch::Tensor& pos_of, const torch::Tensor& slot_mapping,
                                    int64_t num_heads, int64_t num_kv_heads, double eps, double scale);
 
-// decoder_layer.cpp: every layer of a decode or verification step and the final norm, in one call;
+// decoder_layer.cpp: every layer of a decode or verification step and the final norm, in one call and
+// one parallel region (the threads meet at barriers between stages);
 // {hidden} or {hidden, the inputs of the `capture` layers side by side}.
 std::vector<torch::Tensor> decoder_stack_decode(
     const torch::Tensor& x, const std::vector<std::vector<torch::Tensor>>& layer_weights,

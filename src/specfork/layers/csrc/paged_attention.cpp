@@ -17,7 +17,7 @@
 // The inner loops (paged_attention_items.inc) are compiled for portable C++, AVX2 and AVX-512
 // whatever the build machine's flags, with identical results on each; the best set this CPU runs is
 // picked at run time (paged_attention_decode_isa runs a named one, for tests).
-#include "kernels.h"
+#include "forward_parts.h"
 
 #include <ATen/Parallel.h>
 
@@ -58,15 +58,11 @@ inline float exp_nonpositive_scalar(float x) {
   return tiny ? 0.0f : p * two_n;
 }
 
-struct Item {
-  int64_t t0, t1;  // queries t0..t1-1, all of one sequence
-  int64_t kvh, first;  // KV head; the chunk of keys starting at `first`
-};
-
 // One call's operands. partial holds, per query, chunk and head, {max, sum of exp, D weighted
 // values}; chunk_base[t] is the first of query t's (chunk, head) entries.
 struct Call {
   const float* q;
+  int64_t q_row;  // floats from one query's heads to the next's
   int64_t Hq, D, group, Hkv, bs, max_blocks;
   const void* keys;
   const void* values;
@@ -77,7 +73,7 @@ struct Call {
   float scale;
   float* partial;
   int64_t stride;
-  const Item* items;
+  const parts::AttentionItem* items;
 };
 
 // A cache row as float32: itself for a float32 cache, converted (exactly) into buf for float16.
@@ -135,54 +131,61 @@ void run_items(int64_t isa, const Call& c, int64_t i0, int64_t i1) {
   }
 }
 
-template <typename Elem>
-torch::Tensor attend(const torch::Tensor& q_in, const torch::Tensor& cache, const torch::Tensor& block_tables,
-                     const torch::Tensor& seq_of, const torch::Tensor& pos_of, double scale, int64_t isa) {
-  const auto q = q_in.contiguous();
-  const auto tables = block_tables.contiguous();
-  const auto seqs = seq_of.contiguous();
-  const auto poss = pos_of.contiguous();
-  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
-  const int64_t num_blocks = cache.size(1), bs = cache.size(2), Hkv = cache.size(3);
-  TORCH_CHECK(cache.size(4) == D && Hq % Hkv == 0, "cache/query shapes disagree");
-  TORCH_CHECK(seqs.numel() == T && poss.numel() == T, "one sequence index and position per query");
-  const int64_t max_blocks = tables.size(1);
-  auto out = torch::empty_like(q);
-  const int64_t* tp = tables.data_ptr<int64_t>();
-  const int64_t* sp = seqs.data_ptr<int64_t>();
-  const int64_t* pp = poss.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
+}  // namespace
 
+parts::AttentionPlan parts::plan_attention(const torch::Tensor& tables, const torch::Tensor& seq_of,
+                                           const torch::Tensor& pos_of, int64_t Hq, int64_t Hkv, int64_t D,
+                                           int64_t bs) {
+  TORCH_CHECK(tables.is_contiguous() && seq_of.is_contiguous() && pos_of.is_contiguous() &&
+                  tables.scalar_type() == torch::kInt64 && seq_of.scalar_type() == torch::kInt64 &&
+                  pos_of.scalar_type() == torch::kInt64,
+              "block tables, sequence indices and positions must be contiguous int64");
+  const int64_t T = seq_of.numel(), max_blocks = tables.size(1);
+  TORCH_CHECK(pos_of.numel() == T, "one sequence index and position per query");
+  TORCH_CHECK(Hq % Hkv == 0, "cache/query shapes disagree");
+  AttentionPlan plan{T, Hq, Hkv, D, bs, max_blocks, tables.data_ptr<int64_t>(), seq_of.data_ptr<int64_t>(),
+                     pos_of.data_ptr<int64_t>(), 1.0f, std::vector<int64_t>(T + 1, 0), {}, {}};
+  const int64_t* sp = plan.seq;
+  const int64_t* pp = plan.pos;
   // Chunks of query t: its keys 0..pos[t] in chunks of kChunk.
-  std::vector<int64_t> chunk_base(T + 1, 0);
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(pp[t] >= 0 && pp[t] + 1 <= max_blocks * bs, "position beyond the block table");
     TORCH_CHECK(sp[t] >= 0 && sp[t] < tables.size(0), "sequence index beyond the block tables");
-    chunk_base[t + 1] = chunk_base[t] + (pp[t] + kChunk) / kChunk;
+    plan.chunk_base[t + 1] = plan.chunk_base[t] + (pp[t] + kChunk) / kChunk;
   }
-  std::vector<Item> items;
   for (int64_t t0 = 0, t1; t0 < T; t0 = t1) {
     int64_t n_max = pp[t0] + 1;
     for (t1 = t0 + 1; t1 < T && t1 - t0 < kRun && sp[t1] == sp[t0]; ++t1) n_max = std::max(n_max, pp[t1] + 1);
     for (int64_t kvh = 0; kvh < Hkv; ++kvh)
-      for (int64_t first = 0; first < n_max; first += kChunk) items.push_back({t0, t1, kvh, first});
+      for (int64_t first = 0; first < n_max; first += kChunk) plan.items.push_back({t0, t1, kvh, first});
   }
-  const int64_t stride = D + 2;
-  std::vector<float> partial(chunk_base[T] * Hq * stride);
-  const Elem* kp = cache.data_ptr<Elem>();
-  const Call call{q.data_ptr<float>(), Hq, D, Hq / Hkv, Hkv, bs, max_blocks, kp, kp + num_blocks * bs * Hkv * D,
-                  tp, sp, pp, chunk_base.data(), static_cast<float>(scale), partial.data(), stride, items.data()};
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1,
-                   [&](int64_t i0, int64_t i1) { run_items<Elem>(isa, call, i0, i1); });
+  plan.partial.resize(plan.chunk_base[T] * Hq * (D + 2));
+  return plan;
+}
 
-  // merge the chunks of each (query, head) in order
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t chunks = chunk_base[t + 1] - chunk_base[t];
+void parts::attention_items(int64_t isa, AttentionPlan& plan, const float* q, int64_t q_row, const torch::Tensor& cache,
+                            int64_t i0, int64_t i1) {
+  const int64_t num_blocks = cache.size(1);
+  const auto call = [&](const auto* kp) {
+    return Call{q, q_row, plan.Hq, plan.D, plan.Hq / plan.Hkv, plan.Hkv, plan.bs, plan.max_blocks, kp,
+                kp + num_blocks * plan.bs * plan.Hkv * plan.D, plan.tables, plan.seq, plan.pos,
+                plan.chunk_base.data(), plan.scale, plan.partial.data(), plan.D + 2, plan.items.data()};
+  };
+  if (cache.scalar_type() == torch::kHalf) run_items<at::Half>(isa, call(cache.data_ptr<at::Half>()), i0, i1);
+  else run_items<float>(isa, call(cache.data_ptr<float>()), i0, i1);
+}
+
+// Merge the chunks of each (query, head) in order.
+void parts::merge_attention(const AttentionPlan& plan, float* out, int64_t t0, int64_t t1) {
+  const int64_t Hq = plan.Hq, D = plan.D, stride = D + 2;
+  const float* partial = plan.partial.data();
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t chunks = plan.chunk_base[t + 1] - plan.chunk_base[t];
     for (int64_t h = 0; h < Hq; ++h) {
-      const auto part = [&](int64_t c) { return partial.data() + ((chunk_base[t] + c) * Hq + h) * stride; };
+      const auto part = [&](int64_t c) { return partial + ((plan.chunk_base[t] + c) * Hq + h) * stride; };
       float mx = -INFINITY;
       for (int64_t c = 0; c < chunks; ++c) mx = std::max(mx, part(c)[0]);
-      float* o = op + (t * Hq + h) * D;
+      float* o = out + (t * Hq + h) * D;
       std::fill(o, o + D, 0.f);
       float denom = 0.f;
       for (int64_t c = 0; c < chunks; ++c) {
@@ -195,6 +198,26 @@ torch::Tensor attend(const torch::Tensor& q_in, const torch::Tensor& cache, cons
       for (int64_t d = 0; d < D; ++d) o[d] *= inv;
     }
   }
+}
+
+namespace {
+
+torch::Tensor attend(const torch::Tensor& q_in, const torch::Tensor& cache, const torch::Tensor& block_tables,
+                     const torch::Tensor& seq_of, const torch::Tensor& pos_of, double scale, int64_t isa) {
+  const auto q = q_in.contiguous();
+  const auto tables = block_tables.contiguous();
+  const auto seqs = seq_of.contiguous();
+  const auto poss = pos_of.contiguous();
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
+  TORCH_CHECK(cache.size(4) == D, "cache/query shapes disagree");
+  TORCH_CHECK(seqs.numel() == T, "one sequence index and position per query");
+  auto plan = parts::plan_attention(tables, seqs, poss, Hq, cache.size(3), D, cache.size(2));
+  plan.scale = static_cast<float>(scale);
+  auto out = torch::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  at::parallel_for(0, static_cast<int64_t>(plan.items.size()), 1,
+                   [&](int64_t i0, int64_t i1) { parts::attention_items(isa, plan, qp, Hq * D, cache, i0, i1); });
+  parts::merge_attention(plan, out.data_ptr<float>(), 0, T);
   return out;
 }
 
@@ -202,10 +225,9 @@ torch::Tensor attend_on(const torch::Tensor& q_in, const torch::Tensor& cache, c
                         const torch::Tensor& seq_of, const torch::Tensor& pos_of, double scale, int64_t isa) {
   TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == torch::kFloat32, "q must be [T, Hq, D] float32");
   TORCH_CHECK(cache.dim() == 5 && cache.is_contiguous(), "bad cache");
-  if (cache.scalar_type() == torch::kHalf)
-    return attend<at::Half>(q_in, cache, block_tables, seq_of, pos_of, scale, isa);
-  TORCH_CHECK(cache.scalar_type() == torch::kFloat32, "the KV cache must be float32 or float16");
-  return attend<float>(q_in, cache, block_tables, seq_of, pos_of, scale, isa);
+  TORCH_CHECK(cache.scalar_type() == torch::kFloat32 || cache.scalar_type() == torch::kHalf,
+              "the KV cache must be float32 or float16");
+  return attend(q_in, cache, block_tables, seq_of, pos_of, scale, isa);
 }
 
 }  // namespace

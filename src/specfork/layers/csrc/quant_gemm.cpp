@@ -35,7 +35,7 @@
 // every instruction set gives identical results. The inner loops (quant_gemm_tiles.inc) are compiled
 // for portable C++, AVX2, AVX-512 and AVX-512 VNNI whatever the build machine's flags, and the best
 // one this CPU runs is picked once at run time (quant_linear_isa runs a named one, for tests).
-#include "kernels.h"
+#include "forward_parts.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -325,78 +325,110 @@ torch::Tensor quant_linear_isa(const torch::Tensor& x_in, const torch::Tensor& u
   return quant_linear_impl(x_in, units, scales, offsets, n_out, format, bias, isa_index(isa_name));
 }
 
+namespace parts {
+
+QuantWeight quant_weight(const torch::Tensor& units, const torch::Tensor& scales, const torch::Tensor& offsets,
+                         int64_t n_out, int64_t format, const torch::Tensor* bias) {
+  TORCH_CHECK(known_format(format), "quant_linear: format must be 4 or 8, plus 16 for int8 inputs");
+  const bool quads = format & kInt8Inputs, is_q4 = (format & ~kInt8Inputs) == kQ4;
+  const int64_t per_unit = quads ? 4 : 2;
+  const int64_t bytes = quads ? (is_q4 ? unit_bytes<kQ4i8>() : unit_bytes<kQ8i8>())
+                              : (is_q4 ? unit_bytes<kQ4>() : unit_bytes<kQ8>());
+  TORCH_CHECK(units.dim() == 3 && units.size(2) == bytes && units.is_contiguous() && units.scalar_type() == torch::kUInt8,
+              "quant_linear: packed weight is ", units.sizes());
+  const int64_t K = units.size(1) * per_unit, tiles = units.size(0);
+  TORCH_CHECK(scales.dim() == 3 && scales.is_contiguous() && offsets.is_contiguous() && scales.size(0) == tiles &&
+                  scales.size(2) == kTile && offsets.sizes() == scales.sizes() && K % scales.size(1) == 0 &&
+                  scales.scalar_type() == torch::kFloat32 && offsets.scalar_type() == torch::kFloat32,
+              "quant_linear: bad scales");
+  TORCH_CHECK(n_out <= tiles * kTile, "quant_linear: n_out too large");
+  const int64_t groups = scales.size(1), group = K / groups;
+  TORCH_CHECK(group % per_unit == 0 && group <= kMaxGroup, "quant_linear: groups of ", group,
+              " inputs are not supported");
+  const float* bp = nullptr;
+  if (bias != nullptr) {
+    TORCH_CHECK(bias->numel() == n_out && bias->scalar_type() == torch::kFloat32 && bias->is_contiguous(),
+                "quant_linear: bad bias");
+    bp = bias->data_ptr<float>();
+  }
+  return {units.data_ptr<uint8_t>(), scales.data_ptr<float>(), offsets.data_ptr<float>(), bp, n_out, format, K,
+          tiles, groups, group};
+}
+
+int64_t rounded_words(const QuantWeight& w, int64_t M) {
+  const int64_t value_bytes = M * w.K * ((w.format & kInt8Inputs) ? 1 : 2);
+  return (value_bytes + 3) / 4 + 3 * M * w.groups;
+}
+
+RoundedRows rounded_rows_in(float* words, const QuantWeight& w, int64_t M) {
+  const int64_t value_bytes = M * w.K * ((w.format & kInt8Inputs) ? 1 : 2);
+  float* stats = words + (value_bytes + 3) / 4;
+  return {words, reinterpret_cast<int32_t*>(stats), stats + M * w.groups, stats + 2 * M * w.groups};
+}
+
+// Per row and group: the activations rounded to int16 (or int8), their scale, the sum of the
+// rounded values and the sum of the float inputs (sequential, so the same for any batch). A group
+// holding inf or NaN gets a NaN scale, so it propagates.
+void round_rows(const QuantWeight& w, const float* x, int64_t M, const RoundedRows& r, int64_t i0, int64_t i1) {
+  (void)M;
+  const int64_t K = w.K, groups = w.groups, group = w.group;
+  const auto run = [&](auto* xq, float top) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t m = i / groups, g = i % groups;
+      const float* xg = x + m * K + g * group;
+      float amax = 0.0f, total = 0.0f;
+      bool finite = true;
+      for (int64_t kk = 0; kk < group; ++kk) {
+        amax = std::max(amax, std::fabs(xg[kk]));
+        total += xg[kk];
+        finite = finite && std::isfinite(xg[kk]);
+      }
+      const float inv = amax > 0.0f && finite ? top / amax : 0.0f;
+      auto* qg = xq + m * K + g * group;
+      int32_t qsum = 0;
+      for (int64_t kk = 0; kk < group; ++kk) {
+        qg[kk] = static_cast<std::remove_pointer_t<decltype(xq)>>(std::nearbyint(xg[kk] * inv));
+        qsum += qg[kk];
+      }
+      r.xqsum[i] = qsum;
+      r.xscale[i] = finite ? amax / top : std::numeric_limits<float>::quiet_NaN();
+      r.xsum[i] = total;
+    }
+  };
+  if (w.format & kInt8Inputs) run(static_cast<int8_t*>(r.xq), 127.0f);
+  else run(static_cast<int16_t*>(r.xq), 32767.0f);
+}
+
+void project_tiles(int64_t isa, const QuantWeight& w, const RoundedRows& r, int64_t M, float* y, int64_t t0,
+                   int64_t t1) {
+  const Gemm gemm{r.xq, r.xqsum, r.xscale, r.xsum, M, w.K, w.groups, w.group, w.units,
+                  w.scales, w.offsets, y, w.n_out, w.bias, w.format};
+  run_isa(isa, gemm, t0, t1);
+}
+
+}  // namespace parts
+
 namespace {
 
 torch::Tensor quant_linear_impl(const torch::Tensor& x_in, const torch::Tensor& units, const torch::Tensor& scales,
                                 const torch::Tensor& offsets, int64_t n_out, int64_t format,
                                 const c10::optional<torch::Tensor>& bias, int64_t isa) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat32, "quant_linear: 2-D float32 input");
-  TORCH_CHECK(known_format(format), "quant_linear: format must be 4 or 8, plus 16 for int8 inputs");
   const auto x = x_in.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), tiles = units.size(0);
-  const bool quads = format & kInt8Inputs, is_q4 = (format & ~kInt8Inputs) == kQ4;
-  const int64_t per_unit = quads ? 4 : 2;
-  const int64_t bytes = quads ? (is_q4 ? unit_bytes<kQ4i8>() : unit_bytes<kQ8i8>())
-                              : (is_q4 ? unit_bytes<kQ4>() : unit_bytes<kQ8>());
-  TORCH_CHECK(units.dim() == 3 && units.size(1) * per_unit == K && units.size(2) == bytes && units.is_contiguous(),
-              "quant_linear: input has ", K, " features, packed weight is ", units.sizes());
-  TORCH_CHECK(scales.dim() == 3 && scales.is_contiguous() && offsets.is_contiguous() && scales.size(0) == tiles &&
-                  scales.size(2) == kTile && offsets.sizes() == scales.sizes() && K % scales.size(1) == 0,
-              "quant_linear: bad scales");
-  TORCH_CHECK(n_out <= tiles * kTile, "quant_linear: n_out too large");
-  const int64_t groups = scales.size(1), group = K / groups;
-  TORCH_CHECK(group % per_unit == 0 && group <= kMaxGroup, "quant_linear: groups of ", group,
-              " inputs are not supported");
-  auto y = torch::empty({M, n_out}, x.options());
-  const float* xp = x.data_ptr<float>();
   torch::Tensor b;
-  const float* bp = nullptr;
-  if (bias.has_value()) {
-    b = bias->contiguous();
-    TORCH_CHECK(b.numel() == n_out && b.scalar_type() == torch::kFloat32, "quant_linear: bad bias");
-    bp = b.data_ptr<float>();
-  }
-  // Per row and group: the activations rounded to int16 (or int8), their scale, the sum of the
-  // rounded values and the sum of the float inputs (sequential, so the same for any batch). A
-  // group holding inf or NaN gets a NaN scale, so it propagates.
-  auto xq_t = torch::empty({M, K}, x.options().dtype(quads ? torch::kInt8 : torch::kInt16));
-  auto stats = torch::empty({2, M, groups}, x.options());
-  auto xqsum_t = torch::empty({M, groups}, x.options().dtype(torch::kInt32));
-  int32_t* xqsum = xqsum_t.data_ptr<int32_t>();
-  float* xscale = stats.data_ptr<float>();
-  float* xsum = xscale + M * groups;
-  const float top = quads ? 127.0f : 32767.0f;
-  const auto round_rows = [&](auto* xq) {
-    // Rows in parallel once there are many (batched decoding); each row's arithmetic is unchanged.
-    at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
-      for (int64_t m = m0; m < m1; ++m)
-        for (int64_t g = 0; g < groups; ++g) {
-          const float* xg = xp + m * K + g * group;
-          float amax = 0.0f, total = 0.0f;
-          bool finite = true;
-          for (int64_t kk = 0; kk < group; ++kk) {
-            amax = std::max(amax, std::fabs(xg[kk]));
-            total += xg[kk];
-            finite = finite && std::isfinite(xg[kk]);
-          }
-          const float inv = amax > 0.0f && finite ? top / amax : 0.0f;
-          auto* qg = xq + m * K + g * group;
-          int32_t qsum = 0;
-          for (int64_t kk = 0; kk < group; ++kk) {
-            qg[kk] = static_cast<std::remove_pointer_t<decltype(xq)>>(std::nearbyint(xg[kk] * inv));
-            qsum += qg[kk];
-          }
-          xqsum[m * groups + g] = qsum;
-          xscale[m * groups + g] = finite ? amax / top : std::numeric_limits<float>::quiet_NaN();
-          xsum[m * groups + g] = total;
-        }
-    });
-  };
-  if (quads) round_rows(xq_t.data_ptr<int8_t>());
-  else round_rows(xq_t.data_ptr<int16_t>());
-  const Gemm gemm{xq_t.data_ptr(), xqsum, xscale, xsum, M, K, groups, group, units.data_ptr<uint8_t>(),
-                  scales.data_ptr<float>(), offsets.data_ptr<float>(), y.data_ptr<float>(), n_out, bp, format};
-  at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) { run_isa(isa, gemm, t0, t1); });
+  if (bias.has_value()) b = bias->contiguous();
+  const auto w = parts::quant_weight(units, scales, offsets, n_out, format, bias.has_value() ? &b : nullptr);
+  const int64_t M = x.size(0);
+  TORCH_CHECK(x.size(1) == w.K, "quant_linear: input has ", x.size(1), " features, packed weight is ", units.sizes());
+  auto y = torch::empty({M, n_out}, x.options());
+  auto words = torch::empty({parts::rounded_words(w, M)}, x.options());
+  const auto rows = parts::rounded_rows_in(words.data_ptr<float>(), w, M);
+  const float* xp = x.data_ptr<float>();
+  // Rows in parallel once there are many (batched decoding); each row's arithmetic is unchanged.
+  at::parallel_for(0, M * w.groups, 8 * w.groups,
+                   [&](int64_t i0, int64_t i1) { parts::round_rows(w, xp, M, rows, i0, i1); });
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, w.tiles, 4, [&](int64_t t0, int64_t t1) { parts::project_tiles(isa, w, rows, M, yp, t0, t1); });
   return y;
 }
 
