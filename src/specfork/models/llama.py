@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specfork.errors import ModelLoadError
+from specfork.layers.activation import silu_and_mul
 from specfork.layers.attention import AttentionMetadata, paged_attention, write_kv
 from specfork.layers.fused_layer import fuse_decoder_layer, fuse_decoder_stack
 from specfork.layers.linear import make_linear
@@ -65,13 +65,11 @@ class MLP(nn.Module):
         super().__init__()
         self.reduce = reduce
         gate, up = need(take, f"{prefix}.gate_proj.weight"), need(take, f"{prefix}.up_proj.weight")
-        self.intermediate = gate.shape[0]
         self.gate_up_proj = make_linear(torch.cat([gate, up]))
         self.down_proj = make_linear(need(take, f"{prefix}.down_proj.weight"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        out = self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(silu_and_mul(self.gate_up_proj(x)))
         return out if self.reduce is None else self.reduce(out)
 
 

@@ -10,6 +10,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kernel_isa", &kernel_isa, "the instruction set quant_linear uses on this CPU");
   m.def("supported_isas", &supported_isas, "every instruction set quant_linear can use on this CPU");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension of float32 rows");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of float32 rows [..., 2 I] holding gate and up side by side");
   m.def("paged_attention_decode", &paged_attention_decode, "causal paged attention for few queries per sequence");
   m.def("paged_attention_decode_isa", &paged_attention_decode_isa, "paged_attention_decode on a named instruction set (for tests)");
   m.def("decoder_layer_decode", &decoder_layer_decode, "one Llama decoder layer of a decode/verify step");

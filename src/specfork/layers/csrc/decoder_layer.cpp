@@ -14,8 +14,9 @@
 // The stages run the kernels' own code on ranges (forward_parts.h) and the same element-wise
 // arithmetic as the module path, so the result is bit-identical to it (tests/test_fused_layer.py):
 // the rotation is x * cos + roll(x) * sin_signed with separate roundings (the extension is compiled
-// with -ffp-contract=off), the residual adds are plain float adds, and silu(gate) * up uses ATen's
-// own ops. No stage's result depends on how the work is split, so neither does the output.
+// with -ffp-contract=off), the residual adds are plain float adds, and silu(gate) * up is
+// activation.cpp's (the module path calls it too). No stage's result depends on how the work is
+// split, so neither does the output.
 #include "forward_parts.h"
 
 #include <ATen/Parallel.h>
@@ -199,14 +200,9 @@ void run_layer(const Step& st, const LayerWeights& w, const float* x, const floa
   barrier();
   project(st, w.gate_up, rounded, m.gate_up);
   barrier();
-  if (rows.end > rows.begin) {  // silu(gate) * up with ATen's ops, as the module path
-    const auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
-    const int64_t n = rows.end - rows.begin;
-    const auto gate_up = torch::from_blob(m.gate_up + rows.begin * 2 * s.inter, {n, 2 * s.inter}, f32);
-    auto act = torch::from_blob(m.act + rows.begin * s.inter, {n, s.inter}, f32);
-    at::silu_out(act, gate_up.narrow(1, 0, s.inter));
-    act.mul_(gate_up.narrow(1, s.inter, s.inter));
-  }
+  const Range elements = share(s.T * s.inter);  // silu(gate) * up, split by element
+  parts::silu_mul(m.gate_up, m.act, s.inter, elements.begin, elements.end);
+  barrier();
   rounded = round_for(st, w.down, m.act, rows);
   barrier();
   project(st, w.down, rounded, y);

@@ -47,6 +47,12 @@ void project_tiles(int64_t isa, const QuantWeight& w, const RoundedRows& r, int6
 // y[r] = rms_norm(x[r]) * w for rows r0..r1-1 of n floats.
 void rms_norm_rows(const float* x, const float* w, float* y, int64_t n, float eps, int64_t r0, int64_t r1);
 
+// ---- activation.cpp ------------------------------------------------------------------------------
+
+// act[e] = silu(gate) * up for the elements e0..e1-1 of act [T, inter] (element e: row e / inter,
+// column e % inter), from gate_up [T, 2 inter].
+void silu_mul(const float* gate_up, float* act, int64_t inter, int64_t e0, int64_t e1);
+
 // ---- paged_attention.cpp -------------------------------------------------------------------------
 
 // A work item: queries t0..t1-1 (all of one sequence), one KV head, the chunk of keys from `first`.

@@ -34,6 +34,9 @@ int64_t isa_index(const std::string& name);
 // rms_norm.cpp
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 
+// activation.cpp: silu(gate) * up of rows holding gate and up side by side ([..., 2 I] -> [..., I]).
+torch::Tensor silu_mul(const torch::Tensor& gate_up);
+
 // paged_attention.cpp: causal attention of few queries per sequence over the paged KV cache.
 torch::Tensor paged_attention_decode(const torch::Tensor& q, const torch::Tensor& cache,
                                      const torch::Tensor& block_tables, const torch::Tensor& seq_of,

@@ -17,6 +17,7 @@
 // The inner loops (paged_attention_items.inc) are compiled for portable C++, AVX2 and AVX-512
 // whatever the build machine's flags, with identical results on each; the best set this CPU runs is
 // picked at run time (paged_attention_decode_isa runs a named one, for tests).
+#include "exp_approx.h"
 #include "forward_parts.h"
 
 #include <ATen/Parallel.h>
@@ -35,28 +36,6 @@ namespace {
 
 constexpr int64_t kChunk = 128;  // keys per work item
 constexpr int64_t kRun = 8;      // queries of one sequence per work item, at most
-
-// exp(x) for x <= 0 (scores minus their max): Cody-Waite reduction and a degree-6 polynomial, within
-// 2 ulp of std::exp; below kExpFloor the result is 0 (as std::exp's is, to float precision of the sums).
-constexpr float kExpFloor = -87.0f, kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
-constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
-                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
-
-// One lane of the vector exp: the same operations, one rounding each.
-inline float exp_nonpositive_scalar(float x) {
-  const bool tiny = x < kExpFloor;
-  x = x > kExpFloor ? x : kExpFloor;
-  const float n = std::nearbyint(x * kLog2e);
-  float r = __builtin_fmaf(-n, kLn2Hi, x);
-  r = __builtin_fmaf(-n, kLn2Lo, r);
-  float p = kExpPoly[0];
-  for (int i = 1; i < 6; ++i) p = __builtin_fmaf(p, r, kExpPoly[i]);
-  p = __builtin_fmaf(p, r * r, r + 1.0f);
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return tiny ? 0.0f : p * two_n;
-}
 
 // One call's operands. partial holds, per query, chunk and head, {max, sum of exp, D weighted
 // values}; chunk_base[t] is the first of query t's (chunk, head) entries.
