@@ -183,9 +183,9 @@ def test_embedded_model_native_greedy_equals_fp32_except_near_ties(max_tokens):
                                                    ("q8_0", None, "native"), ("q4_1", "float16", "native"),
                                                    ("q4_1", None, "native-int8"), ("q8_0", None, "native-int8")])
 def test_one_native_call_per_forward_is_bit_identical_to_the_module_path(quantized_ggufs, out_type, kv, weights):
-    """Decode and verify windows of two sequences: all layers in one native call, one native call
-    per layer, and the Python module path give the same logits, features and KV cache, bit for bit
-    (with a float32 or a float16 KV cache, int16 or int8 activations)."""
+    """Decode and verify windows of two sequences: all layers and the LM head in one native call,
+    one native call per layer, and the Python module path give the same logits, features and KV
+    cache, bit for bit (with a float32 or a float16 KV cache, int16 or int8 activations)."""
     from specfork.bench.forward import unfused
     from specfork.engine.sequence import Sequence
     from specfork.layers.quantized import QuantizedLinear
@@ -201,9 +201,15 @@ def test_one_native_call_per_forward_is_bit_identical_to_the_module_path(quantiz
     for seq, prompt in zip(seqs, prompts, strict=True):
         engine.block_manager.grow(seq, len(prompt) + 3)
         engine.runner.forward([seq], [0], [prompt], [len(prompt) - 1], decode=False)
-    calls = []
+    calls = []  # per call of the one-call stack: did its LM head run inside it
     stack = model.fused_stack
-    model.fused_stack = lambda *a: calls.append(1) or stack(*a)
+
+    def counted(*args):
+        out = stack(*args)
+        calls.append(out[2].numel() > 0)
+        return out
+
+    model.fused_stack = counted
     engine.runner.capture_features((0, 1, 1))
 
     def run(args):
@@ -214,7 +220,7 @@ def test_one_native_call_per_forward_is_bit_identical_to_the_module_path(quantiz
         for rows in ([1, 1], [3, 2], [1, 3]):  # decode and verification windows, two sequences
             args = ([s for s in seqs], [len(p) for p in prompts], [[5, 6, 7][:n] for n in rows], list(range(sum(rows))))
             one_call = run(args)
-            assert calls, "the one-call stack did not run"
+            assert calls and all(calls), "the one-call stack did not run, or not with its LM head"
             calls.clear()
             model.fused_stack, saved = None, model.fused_stack
             per_layer = run(args)

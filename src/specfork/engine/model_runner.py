@@ -173,25 +173,34 @@ class ModelRunner:
         use batch-invariant attention in deterministic mode (prefill passes never need it)."""
         invariant = self.deterministic and decode
         ids, pos, meta = self.prepare(seqs, starts, token_lists, attn_mask, invariant, decode, layout)
-        return self._logits(self._run(ids, pos, meta), logits_rows)
+        return self._logits_of(ids, pos, meta, logits_rows)
 
-    def _run(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _logits_of(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata, rows: list[int]) -> torch.Tensor:
+        """Float32 logits of the flat rows ``rows``. When every row is wanted (decode and
+        verification steps) the model runs its LM head itself: inside its one native call where it
+        has one."""
+        if rows == list(range(ids.shape[0])):
+            return self._run(ids, pos, meta, logits=True)
+        return self._logits(self._run(ids, pos, meta), rows)
+
+    def _run(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata, logits: bool = False) -> torch.Tensor:
         if self.parallel is None:
-            return self._forward(ids, pos, meta)
+            return self._forward(ids, pos, meta, logits)
         self.parallel.send_forward(ids, pos, meta)
         try:
-            return self._forward(ids, pos, meta)
+            return self._forward(ids, pos, meta, logits)
         except EngineFailure:
             raise
         except BaseException as e:  # the shards are inside this forward: they cannot go on
             self.parallel.fail(f"rank 0 failed during a forward ({type(e).__name__})")
             raise
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata, logits: bool) -> torch.Tensor:
+        """Hidden states after the final norm, or with ``logits`` the logits of every row."""
         if not self.feature_layers:
-            return self.model(ids, pos, self.kv_caches, meta)
-        hidden, self.features = self.model(ids, pos, self.kv_caches, meta, self.feature_layers)
-        return hidden
+            return self.model(ids, pos, self.kv_caches, meta, logits=logits)
+        out, self.features = self.model(ids, pos, self.kv_caches, meta, self.feature_layers, logits=logits)
+        return out
 
     def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         if len(rows) != hidden.shape[0]:
@@ -211,10 +220,12 @@ class ModelRunner:
                 rows.append(offset - 1)
         decode = not batch.is_prefill
         ids, pos, meta = self.prepare(batch.seqs, starts, tokens, None, self.deterministic and decode, decode)
-        hidden = self._run(ids, pos, meta)
         if batch.is_prefill and any(s.params.prompt_logprobs is not None for s in batch.seqs):
+            hidden = self._run(ids, pos, meta)
             record_prompt_logprobs(self.model.compute_logits, hidden, batch.seqs, starts, batch.num_new_tokens)
-        logits = self._logits(hidden, rows)
+            logits = self._logits(hidden, rows)
+        else:
+            logits = self._logits_of(ids, pos, meta, rows)
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_cached_tokens += n
         return logits

@@ -9,9 +9,9 @@ its output is bit-identical to it. It serves steps that use the native
 paged-attention kernel (``AttentionMetadata.native_decode``) on layers whose projections all run
 the native quantised kernel; anything else takes the module path.
 
-``FusedDecoderStack`` goes one step further for a model whose every layer fuses: all layers and
-the final norm in one call (``decoder_stack_decode``, the same per-layer code in a C++ loop), so a
-decode step returns to Python once instead of once per layer.
+``FusedDecoderStack`` goes one step further for a model whose every layer fuses: all layers, the
+final norm and the LM head in one call and one parallel region (``decoder_stack_decode``, the same
+per-layer code in a C++ loop), so a decode step returns to Python once instead of once per layer.
 """
 
 from __future__ import annotations
@@ -61,30 +61,39 @@ def fuse_decoder_layer(input_norm: RMSNorm, projections: tuple, post_norm: RMSNo
 
 
 class FusedDecoderStack:
-    def __init__(self, layers: list[FusedDecodeLayer], final_norm: RMSNorm) -> None:
+    def __init__(self, layers: list[FusedDecodeLayer], final_norm: RMSNorm, lm_head) -> None:
         first = layers[0]
         self._kernels = first._kernels
         self._weights = [layer._weights for layer in layers]
         self._formats = [layer._formats for layer in layers]
         self._heads, self._eps, self._scale = first._heads, first._eps, first._scale
         self._norm = final_norm
+        self._head_weights, self._head_format = [], []
+        if isinstance(lm_head, QuantizedLinear):  # else the caller runs its LM head
+            bias = lm_head.bias if lm_head.bias is not None else torch.empty(0)
+            self._head_weights = [lm_head.values, lm_head.scales, lm_head.offsets, bias]
+            self._head_format = [lm_head.out_features, lm_head.format]
 
     def __call__(self, x: torch.Tensor, rope: RopeTables, caches: list[torch.Tensor], meta: AttentionMetadata,
-                 capture: tuple[int, ...] = ()) -> list[torch.Tensor]:
-        """[hidden after the final norm] or, with ``capture``, [hidden, the inputs of those layers
-        side by side]."""
-        return self._kernels.decoder_stack_decode(
+                 capture: tuple[int, ...] = (), logits: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(hidden after the final norm, the inputs of the ``capture`` layers side by side (empty
+        without), the LM head's logits of every row (empty unless ``logits`` and the LM head is
+        native))."""
+        head = logits and bool(self._head_weights)
+        hidden, features, out = self._kernels.decoder_stack_decode(
             x.contiguous(), self._weights, self._formats, caches, rope.cos, rope.sin_signed, meta.block_tables,
             meta.seq_index, meta.positions, meta.slot_mapping, *self._heads, self._eps, self._scale, list(capture),
-            self._norm.weight, self._norm.eps,
+            self._norm.weight, self._norm.eps, self._head_weights if head else [], self._head_format if head else [],
         )
+        return hidden, features, out
 
 
-def fuse_decoder_stack(layers: list[FusedDecodeLayer | None], final_norm: RMSNorm) -> FusedDecoderStack | None:
-    """The whole stack in one call, where every layer fuses alike and the final norm runs natively."""
+def fuse_decoder_stack(layers: list[FusedDecodeLayer | None], final_norm: RMSNorm, lm_head) -> FusedDecoderStack | None:
+    """The whole stack in one call, where every layer fuses alike and the final norm runs natively
+    (the LM head too, when it is a native quantised projection)."""
     if not layers or any(layer is None for layer in layers) or final_norm.weight.dtype != torch.float32:
         return None
     first = layers[0]
     if any((layer._heads, layer._eps, layer._scale) != (first._heads, first._eps, first._scale) for layer in layers):
         return None
-    return FusedDecoderStack(layers, final_norm)
+    return FusedDecoderStack(layers, final_norm, lm_head)

@@ -122,7 +122,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = make_linear(head)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         # Decode/verify steps of a model whose layers all fuse: one native call for all of them.
-        self.fused_stack = fuse_decoder_stack([layer.fused_decode for layer in self.layers], self.norm)
+        self.fused_stack = fuse_decoder_stack([layer.fused_decode for layer in self.layers], self.norm, self.lm_head)
 
     def forward(
         self,
@@ -131,24 +131,32 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
         capture: tuple[int, ...] = (),
+        *,
+        logits: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Hidden states after the final norm, [T, hidden]. With ``capture`` (layer indices),
-        also the features a feature-reading drafter (EAGLE-3) needs: the input of each listed
-        layer (the residual stream after the layers before it), concatenated in the listed
-        order, [T, len(capture) * hidden]. Capturing changes nothing that is computed."""
+        """Hidden states after the final norm, [T, hidden]; with ``logits``, the float32 logits of
+        every row [T, vocab] in their place (on the one-call native path the LM head runs inside
+        that call). With ``capture`` (layer indices), also the features a feature-reading drafter
+        (EAGLE-3) needs: the input of each listed layer (the residual stream after the layers
+        before it), concatenated in the listed order, [T, len(capture) * hidden]. Capturing
+        changes nothing that is computed."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary.at(positions)
         if meta.native_decode and self.fused_stack is not None:
-            out = self.fused_stack(x, rope, kv_caches, meta, capture)
-            return tuple(out) if capture else out[0]
+            hidden, features, head_logits = self.fused_stack(x, rope, kv_caches, meta, capture, logits)
+            if logits and head_logits.shape[0] != hidden.shape[0]:  # the call had no native LM head
+                head_logits = self.compute_logits(hidden)
+            out = head_logits if logits else hidden
+            return (out, features) if capture else out
         inputs = {}
         for index, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if index in capture:
                 inputs[index] = x
             x = layer(x, rope, cache, meta)
+        out = self.compute_logits(self.norm(x)) if logits else self.norm(x)
         if not capture:
-            return self.norm(x)
-        return self.norm(x), torch.cat([inputs[i] for i in capture], dim=-1)
+            return out
+        return out, torch.cat([inputs[i] for i in capture], dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -82,8 +82,8 @@ struct Scratch {
   torch::Tensor memory;
   float *normed, *qkv, *attn, *h, *gate_up, *act, *rounded;
 
-  Scratch(const Shapes& s, const std::vector<LayerWeights>& layers) {
-    int64_t rounded_words = 0;
+  Scratch(const Shapes& s, const std::vector<LayerWeights>& layers, const parts::QuantWeight* head) {
+    int64_t rounded_words = head ? parts::rounded_words(*head, s.T) : 0;
     for (const auto& l : layers)
       for (const auto* w : {&l.qkv, &l.o, &l.gate_up, &l.down})
         rounded_words = std::max(rounded_words, parts::rounded_words(*w, s.T));
@@ -224,7 +224,7 @@ struct Call {
        const std::vector<std::vector<int64_t>>& formats, const std::vector<torch::Tensor>& caches,
        const torch::Tensor& cos_in, const torch::Tensor& sin_in, const torch::Tensor& block_tables,
        const torch::Tensor& seq_of, const torch::Tensor& pos_of, const torch::Tensor& slot_mapping,
-       int64_t num_heads, int64_t num_kv_heads, double eps, double scale)
+       int64_t num_heads, int64_t num_kv_heads, double eps, double scale, const parts::QuantWeight* head = nullptr)
       : cos(cos_in.contiguous()), sin(sin_in.contiguous()), slots(slot_mapping.contiguous()),
         tables(block_tables.contiguous()), seqs(seq_of.contiguous()), poss(pos_of.contiguous()) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be [T, H] float32");
@@ -252,7 +252,7 @@ struct Call {
     TORCH_CHECK(seqs.numel() == T, "one sequence index and position per token");
     plan = parts::plan_attention(tables, seqs, poss, num_heads, num_kv_heads, D, cache0.size(2));
     plan.scale = static_cast<float>(scale);
-    scratch = std::make_unique<Scratch>(s, layers);
+    scratch = std::make_unique<Scratch>(s, layers, head);
     step = Step{s, static_cast<float>(eps), cos.data_ptr<float>(), sin.data_ptr<float>(), slot, best_isa_index(),
                 &plan, scratch.get()};
   }
@@ -283,26 +283,40 @@ torch::Tensor decoder_layer_decode(const torch::Tensor& x_in, const torch::Tenso
   return y;
 }
 
-// Every decoder layer of a decode or verification step, then the final norm, in one call and one
-// parallel region. Returns {hidden after the final norm} and, with `capture` (layer indices), the
-// inputs of those layers concatenated in that order ([T, |capture| H]: an EAGLE-3 head's features).
+// Every decoder layer of a decode or verification step, the final norm and optionally the LM head,
+// in one call and one parallel region. Returns {hidden after the final norm, features, logits}:
+// features, with `capture` (layer indices), the inputs of those layers concatenated in that order
+// ([T, |capture| H]: an EAGLE-3 head's features), else an empty tensor; logits [T, V] of every row
+// when head_weights (units, scales, offsets, bias or an empty tensor) and head_format (n_out,
+// format) describe a block-quantised LM head, else an empty tensor.
 std::vector<torch::Tensor> decoder_stack_decode(
     const torch::Tensor& x_in, const std::vector<std::vector<torch::Tensor>>& layer_weights,
     const std::vector<std::vector<int64_t>>& layer_formats, const std::vector<torch::Tensor>& caches,
     const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& block_tables, const torch::Tensor& seq_of,
     const torch::Tensor& pos_of, const torch::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads,
-    double eps, double scale, const std::vector<int64_t>& capture, const torch::Tensor& final_norm, double final_eps) {
+    double eps, double scale, const std::vector<int64_t>& capture, const torch::Tensor& final_norm, double final_eps,
+    const std::vector<torch::Tensor>& head_weights, const std::vector<int64_t>& head_format) {
   const auto x = x_in.contiguous();
-  Call call(x, x.size(1), layer_weights, layer_formats, caches, cos, sin, block_tables, seq_of, pos_of, slot_mapping,
-            num_heads, num_kv_heads, eps, scale);
   const int64_t L = static_cast<int64_t>(layer_weights.size()), T = x.size(0), H = x.size(1);
+  TORCH_CHECK(head_weights.empty() || (head_weights.size() == 4 && head_format.size() == 2),
+              "decoder_stack_decode: the LM head is units, scales, offsets, bias and n_out, format");
+  std::unique_ptr<parts::QuantWeight> head;
+  if (!head_weights.empty()) {
+    const auto& bias = head_weights[3];
+    head = std::make_unique<parts::QuantWeight>(parts::quant_weight(
+        head_weights[0], head_weights[1], head_weights[2], head_format[0], head_format[1], bias.numel() ? &bias : nullptr));
+    TORCH_CHECK(head->K == H, "decoder_stack_decode: the LM head reads ", head->K, " features, the hidden size is ", H);
+  }
+  Call call(x, x.size(1), layer_weights, layer_formats, caches, cos, sin, block_tables, seq_of, pos_of, slot_mapping,
+            num_heads, num_kv_heads, eps, scale, head.get());
   for (int64_t c : capture)
     TORCH_CHECK(c >= 0 && c < L, "decoder_stack_decode: capture names a layer it does not have");
   TORCH_CHECK(final_norm.scalar_type() == torch::kFloat32 && final_norm.is_contiguous() && final_norm.numel() == H,
               "decoder_stack_decode: bad final norm");
   auto buffers = torch::empty({2, T, H}, x.options());
   auto hidden = torch::empty_like(x);
-  auto features = torch::empty({T, static_cast<int64_t>(capture.size()) * H}, x.options());
+  auto features = torch::empty({capture.empty() ? 0 : T, static_cast<int64_t>(capture.size()) * H}, x.options());
+  auto logits = torch::empty({head ? T : 0, head ? head->n_out : 0}, x.options());
   const int64_t width = features.size(1);
   float* feature_rows = features.data_ptr<float>();
   const float* norm = final_norm.data_ptr<float>();
@@ -321,7 +335,11 @@ std::vector<torch::Tensor> decoder_stack_decode(
       in = out;
     }
     parts::rms_norm_rows(in, norm, hidden.data_ptr<float>(), H, feps, rows.begin, rows.end);
+    if (head) {
+      const auto rounded = round_for(call.step, *head, hidden.data_ptr<float>(), rows);
+      barrier();
+      project(call.step, *head, rounded, logits.data_ptr<float>());
+    }
   }
-  if (capture.empty()) return {hidden};
-  return {hidden, features};
+  return {hidden, features, logits};
 }

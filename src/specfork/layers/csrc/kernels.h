@@ -59,13 +59,14 @@ torch::Tensor decoder_layer_decode(const torch::Tensor& x, const torch::Tensor& 
                                    const torch::Tensor& pos_of, const torch::Tensor& slot_mapping,
                                    int64_t num_heads, int64_t num_kv_heads, double eps, double scale);
 
-// decoder_layer.cpp: every layer of a decode or verification step and the final norm, in one call and
-// one parallel region (the threads meet at barriers between stages);
-// {hidden} or {hidden, the inputs of the `capture` layers side by side}.
+// decoder_layer.cpp: every layer of a decode or verification step, the final norm and optionally the
+// LM head, in one call and one parallel region (the threads meet at barriers between stages);
+// {hidden, the inputs of the `capture` layers side by side (or empty), logits (or empty)}.
 std::vector<torch::Tensor> decoder_stack_decode(
     const torch::Tensor& x, const std::vector<std::vector<torch::Tensor>>& layer_weights,
     const std::vector<std::vector<int64_t>>& layer_formats, const std::vector<torch::Tensor>& caches,
     const torch::Tensor& cos, const torch::Tensor& sin_signed, const torch::Tensor& block_tables,
     const torch::Tensor& seq_of, const torch::Tensor& pos_of, const torch::Tensor& slot_mapping, int64_t num_heads,
     int64_t num_kv_heads, double eps, double scale, const std::vector<int64_t>& capture,
-    const torch::Tensor& final_norm, double final_eps);
+    const torch::Tensor& final_norm, double final_eps, const std::vector<torch::Tensor>& head_weights,
+    const std::vector<int64_t>& head_format);
