@@ -4,8 +4,9 @@ For each --weights setting: the model forward of 1..9 new tokens after --context
 (decode and verification); its split into linear layers, attention and everything else (norms,
 rotary, embedding, Python), measured by timing those modules inside real forwards on the Python
 module path (the fused native decoder layer, when it runs, has no seams to time); one full engine
-step (scheduling, sampling, stop checks included); bytes of weights read per token and the share
-of the machine's streaming bandwidth; and the same for the shipped draft.
+step (scheduling, sampling, stop checks included) and how much of it is spent outside the one
+native call (Python's share); bytes of weights read per token and the share of the machine's
+streaming bandwidth; and the same for the shipped draft.
 
     python benchmarks/bench_step_profile.py --threads 2
 """
@@ -75,15 +76,31 @@ def module_split_ms(model, forward, rows: int, repeat: int, warmup: int = 3) -> 
     return tuple(median(x) * 1e3 for x in (totals, parts["linear"], parts["attention"]))
 
 
-def engine_step_ms(llm, prompt: list[int], max_tokens: int = 64) -> float:
-    """Median ms of one full engine decode step (forward, sampling, scheduling, stop checks)."""
+def engine_step_ms(llm, prompt: list[int], max_tokens: int = 64) -> tuple[float, float | None]:
+    """Median ms of one full engine decode step (forward, sampling, scheduling, stop checks), and
+    the median ms of those steps spent inside the one native call (None without it)."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate([prompt], params)  # warm-up
+    model = llm.engine.loaded.model
+    stack, native = model.fused_stack, []
+
+    def timed_stack(*args):
+        out, seconds = timed(stack, *args)
+        native[-1] += seconds
+        return out
+
     seq = llm.engine.add_request(prompt, params)
     steps = []
-    while not seq.is_finished:
-        steps.append(timed(llm.engine.step)[1])
-    return median(steps[1:]) * 1e3  # the first step is the prefill
+    if stack is not None:
+        model.fused_stack = timed_stack
+    try:
+        while not seq.is_finished:
+            native.append(0.0)
+            steps.append(timed(llm.engine.step)[1])
+    finally:
+        model.fused_stack = stack
+    # the first step is the prefill
+    return median(steps[1:]) * 1e3, (median(native[1:]) * 1e3 if stack is not None else None)
 
 
 def profile(model_name: str, weights: str, threads: int, context: int, repeat: int, max_rows: int,
@@ -102,8 +119,12 @@ def profile(model_name: str, weights: str, threads: int, context: int, repeat: i
         split = f"{lin:9.2f}  {att:12.2f}  {f - lin - att:8.2f}"
         print(f"  {rows:4d}  {plain:10.2f}  " + (f"{f:24.2f}  " if has_fused else "") + split)
     gen = torch.Generator().manual_seed(0)
-    decode = engine_step_ms(llm, torch.randint(0, llm.vocab_size, (context,), generator=gen).tolist())
+    decode, native = engine_step_ms(llm, torch.randint(0, llm.vocab_size, (context,), generator=gen).tolist())
     print(f"  one engine decode step (forward + sampling + scheduling): {decode:.2f} ms = {1000 / decode:.1f} tok/s")
+    if native is not None:
+        print(f"  of which inside the one native call (all layers and the LM head): {native:.2f} ms; outside it "
+              f"(Python: scheduling, embedding lookup, rope tables, sampling, outputs): {decode - native:.2f} ms "
+              f"= {100 * (decode - native) / decode:.1f}% of the step")
     rate = linear_bytes / (decode / 1e3) / 1e9
     print(f"  weights streamed at that rate: {rate:.1f} GB/s = {100 * rate / bandwidth:.0f}% of the "
           f"{bandwidth:.1f} GB/s this machine reads with {threads} threads")
