@@ -41,7 +41,8 @@ class Config:
     kv_cache_tokens: int = option(16384, "KV-cache capacity in tokens over all sequences", group=ENGINE)
     kv_cache_dtype: str | None = option(None, "KV-cache element type: float16 halves the cache's memory and what "
                                         "attention reads (keys and values rounded to fp16; tolerance in "
-                                        "docs/benchmarks.md) (default: the model's dtype)",
+                                        "docs/benchmarks.md) (default: float16 for a model whose projections run "
+                                        "the native quantised kernels on the CPU, else the model's dtype)",
                                         choices=KV_DTYPES, group=ENGINE)
     max_num_seqs: int = option(32, "most sequences decoded together", group=ENGINE)
     max_num_batched_tokens: int = option(4096, "most tokens in one forward pass; longer prompts are prefilled "
