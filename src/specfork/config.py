@@ -10,6 +10,10 @@ from specfork.options import int_or_auto, option, seconds_or_auto
 
 DEFAULT_MODEL = "smollm2-135m"
 DTYPES = ("float32", "bfloat16", "float16")
+# SD's measured defaults on the embedded model (docs/benchmarks.md): a head's confidence floor and
+# the n-gram length looked up before drafting.
+DEFAULT_DRAFT_CONFIDENCE = 0.3
+DEFAULT_LOOKUP_FIRST = 2
 KV_DTYPES = ("float32", "float16")
 DIST_LAUNCHES = ("local", "torchrun")
 MODES = ("ar", "sd", "ssd")
@@ -80,17 +84,18 @@ class Config:
                           "measured at start-up and the acceptance observed while generating "
                           "(speculative/auto_k.py); the choice and its reasons are reported",
                           parse=int_or_auto, group=SPECULATIVE)
-    draft_confidence: float = option(0.0, "SD with an EAGLE-3 head: take a chain's next token only while the head's "
-                                     "probability of the chain so far times its top probability there is at least "
-                                     "this, so a chain may be empty (0: always draft --k tokens; SSD's branches "
-                                     "always have --k; 0.3 with --k 4 --lookup-first 2 measured best on the "
-                                     "embedded model)", group=SPECULATIVE)
+    draft_confidence: float | None = option(
+        None, "SD with an EAGLE-3 head: take a chain's next token only while the head's probability of the chain "
+        "so far times its top probability there is at least this, so a chain may be empty (0: always draft --k "
+        "tokens; SSD's branches always have --k) (default: 0.3, measured best with --lookup-first 2 on the "
+        "embedded model)", group=SPECULATIVE)
     ngram_min: int = option(1, "shortest n-gram matched by --drafter ngram", group=SPECULATIVE)
     ngram_max: int = option(4, "longest n-gram matched by --drafter ngram", group=SPECULATIVE)
-    lookup_first: int = option(0, "SD with a draft model or EAGLE-3 head: where the context's last N tokens (up to "
-                               "--ngram-max) occurred earlier, propose what followed them (prompt lookup) instead of "
-                               "drafting; the draft proposes elsewhere (0: off; 1-2 measured best on the embedded model)",
-                               group=SPECULATIVE)
+    lookup_first: int | None = option(
+        None, "SD with a draft model or EAGLE-3 head: where the context's last N tokens (up to --ngram-max) "
+        "occurred earlier, propose what followed them (prompt lookup) instead of drafting; the draft proposes "
+        "elsewhere (0: off) (default: 2 in SD with a draft model or head, measured best on the embedded model; "
+        "0 otherwise)", group=SPECULATIVE)
     deterministic: bool = option(False, "batch-invariant kernels: greedy SD/SSD output is bit-identical to AR "
                                  "output (the default fast mode may differ at numerical near-ties; slower)",
                                  group=SPECULATIVE)
@@ -167,8 +172,9 @@ class Config:
             _positive("k", self.k)
         if self.k_max > 32:
             raise SpecforkError(f"k must be at most 32, got {self.k}")
-        if isinstance(self.draft_confidence, bool) or not isinstance(self.draft_confidence, (int, float)) \
-                or not 0.0 <= self.draft_confidence < 1.0:
+        if self.draft_confidence is not None and (
+                isinstance(self.draft_confidence, bool) or not isinstance(self.draft_confidence, (int, float))
+                or not 0.0 <= self.draft_confidence < 1.0):
             raise SpecforkError(f"draft_confidence must be in [0, 1), got {self.draft_confidence!r}")
         _positive("ngram_min", self.ngram_min)
         _positive("ngram_max", self.ngram_max)
@@ -212,6 +218,8 @@ class Config:
 
     def _check_lookup_first(self) -> None:
         n = self.lookup_first
+        if n is None:
+            return
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise SpecforkError(f"lookup_first must be an integer >= 0 (0: off), got {n!r}")
         if n == 0:
@@ -250,6 +258,19 @@ class Config:
         hit = tuple(parse_fanout(hit, self.k_max) if hit is not None else uniform_fanout(self.k_max, self.fan_out))
         miss = self.fan_out_list_miss
         return hit, (tuple(parse_fanout(miss, self.k_max)) if miss is not None else hit)
+
+    @property
+    def head_confidence(self) -> float:
+        """The confidence floor of an EAGLE-3 head's chains in SD: draft_confidence, or its default."""
+        return DEFAULT_DRAFT_CONFIDENCE if self.draft_confidence is None else float(self.draft_confidence)
+
+    @property
+    def lookup_first_n(self) -> int:
+        """SD's prompt lookup before the draft: lookup_first, or its default (2 where it applies,
+        at most ngram_max; 0 elsewhere)."""
+        if self.lookup_first is not None:
+            return self.lookup_first
+        return min(DEFAULT_LOOKUP_FIRST, self.ngram_max) if self.mode == "sd" and self.drafter == "draft" else 0
 
     @property
     def auto_k(self) -> bool:

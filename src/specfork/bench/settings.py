@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specfork.config import DEFAULT_MODEL, SSD_BACKUPS, WEIGHTS
+from specfork.config import (
+    DEFAULT_DRAFT_CONFIDENCE,
+    DEFAULT_LOOKUP_FIRST,
+    DEFAULT_MODEL,
+    SSD_BACKUPS,
+    WEIGHTS,
+)
 from specfork.errors import SpecforkError
 from specfork.options import comma_list, int_or_auto, option
 
@@ -36,10 +42,12 @@ class BenchSettings:
     temperature: float = option(0.0, "0 = greedy")
     k: int | str = option(5, "speculated tokens per round, or auto (sd and ngram modes: chosen from measured "
                           "costs)", parse=int_or_auto)
-    draft_confidence: float = option(0.0, "SD with an EAGLE-3 head: take a chain's next token only while the head's "
-                                     "chain probability times its top probability there is at least this (0: always k)")
-    lookup_first: int = option(0, "SD with a draft or head: prompt lookup of the context's last N.."
-                               "--ngram-max tokens proposes where it finds them, the draft elsewhere (0: off)")
+    draft_confidence: float = option(DEFAULT_DRAFT_CONFIDENCE, "SD with an EAGLE-3 head: take a chain's next token "
+                                     "only while the head's chain probability times its top probability there is "
+                                     "at least this (0: always k; default: the engine's)")
+    lookup_first: int = option(DEFAULT_LOOKUP_FIRST, "SD with a draft or head: prompt lookup of the context's last "
+                               "N..--ngram-max tokens proposes where it finds them, the draft elsewhere (0: off; "
+                               "default: the engine's)")
     fan_out: int = option(3, "SSD fan-out per outcome")
     backup: str = option("jit", "SSD cache-miss backup", choices=SSD_BACKUPS)
     batch_size: int = option(1, "concurrent requests")

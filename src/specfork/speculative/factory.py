@@ -31,8 +31,8 @@ def build_speculative_step(engine: LLMEngine) -> SpeculativeStep:
         proposer = NgramProposer(min_n=config.ngram_min, max_n=config.ngram_max)
     else:
         proposer = _proposer(engine, draft_spec(config, engine.loaded))
-        if config.lookup_first:
-            proposer = LookupFirstProposer(proposer, min_n=config.lookup_first, max_n=config.ngram_max)
+        if config.lookup_first_n:
+            proposer = LookupFirstProposer(proposer, min_n=config.lookup_first_n, max_n=config.ngram_max)
     auto_k = None
     if config.auto_k:
         from specfork.config import K_MAX
@@ -61,7 +61,7 @@ def _head_proposer(engine: LLMEngine, spec) -> Eagle3Proposer:
     return Eagle3Proposer(
         head, feature_layers=head.head_config.layers_for(engine.loaded.arch.num_layers),
         vocab_size=engine.loaded.arch.vocab_size, num_blocks=engine.num_kv_blocks, block_size=engine.config.block_size,
-        device=engine.device, min_confidence=engine.config.draft_confidence,
+        device=engine.device, min_confidence=engine.config.head_confidence,
     )
 
 
