@@ -75,6 +75,32 @@ def test_lookup_first_is_refused_where_it_means_nothing(options, message):
         Config(**options)
 
 
+@pytest.mark.parametrize("options, confidence, lookup", [
+    (dict(mode="sd"), 0.3, 2),  # the shipped draft: its measured settings
+    (dict(mode="sd", draft="default", ngram_max=1), 0.3, 1),
+    (dict(mode="sd", draft_confidence=0.0, lookup_first=0), 0.0, 0),  # asked for: kept
+    (dict(mode="sd", draft="path/to/my-head", draft_confidence=0.5), 0.5, 0),  # another draft: plain
+    (dict(mode="sd", draft="path/to/my-draft"), 0.0, 0),
+    (dict(mode="sd", drafter="ngram"), 0.0, 0),
+    (dict(mode="ssd"), 0.0, 0),
+    (dict(mode="ar"), 0.0, 0),
+])
+def test_sd_defaults_are_the_shipped_drafts_measured_settings(options, confidence, lookup):
+    config = Config(**options)
+    assert (config.head_confidence, config.lookup_first_n) == (confidence, lookup)
+
+
+def test_sd_on_the_embedded_model_runs_the_measured_settings():
+    """`--mode sd` alone: prompt lookup of 2 tokens before the shipped head, whose chains stop below
+    a confidence of 0.3."""
+    from specfork.speculative.eagle3_proposer import Eagle3Proposer
+
+    with LLM(mode="sd") as llm:
+        proposer = llm.engine.step_strategy.proposer
+        assert isinstance(proposer, LookupFirstProposer) and proposer.min_n == 2
+        assert isinstance(proposer.draft, Eagle3Proposer) and proposer.draft.min_confidence == 0.3
+
+
 @pytest.mark.parametrize("drafter", ["head", "draft model"])
 @pytest.mark.parametrize("k, n", [(2, 1), (4, 2)])
 def test_greedy_sd_with_lookup_first_equals_ar(head_pair, draft_pair, drafter, k, n):

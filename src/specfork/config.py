@@ -10,8 +10,8 @@ from specfork.options import int_or_auto, option, seconds_or_auto
 
 DEFAULT_MODEL = "smollm2-135m"
 DTYPES = ("float32", "bfloat16", "float16")
-# SD's measured defaults on the embedded model (docs/benchmarks.md): a head's confidence floor and
-# the n-gram length looked up before drafting.
+# SD's defaults with the shipped draft, measured best on the embedded model (docs/benchmarks.md): the
+# head's confidence floor and the n-gram length looked up before drafting.
 DEFAULT_DRAFT_CONFIDENCE = 0.3
 DEFAULT_LOOKUP_FIRST = 2
 KV_DTYPES = ("float32", "float16")
@@ -87,15 +87,15 @@ class Config:
     draft_confidence: float | None = option(
         None, "SD with an EAGLE-3 head: take a chain's next token only while the head's probability of the chain "
         "so far times its top probability there is at least this, so a chain may be empty (0: always draft --k "
-        "tokens; SSD's branches always have --k) (default: 0.3, measured best with --lookup-first 2 on the "
-        "embedded model)", group=SPECULATIVE)
+        "tokens; SSD's branches always have --k) (default: 0.3 with the shipped draft, measured best with "
+        "--lookup-first 2 on the embedded model; 0 with any other draft)", group=SPECULATIVE)
     ngram_min: int = option(1, "shortest n-gram matched by --drafter ngram", group=SPECULATIVE)
     ngram_max: int = option(4, "longest n-gram matched by --drafter ngram", group=SPECULATIVE)
     lookup_first: int | None = option(
         None, "SD with a draft model or EAGLE-3 head: where the context's last N tokens (up to --ngram-max) "
         "occurred earlier, propose what followed them (prompt lookup) instead of drafting; the draft proposes "
-        "elsewhere (0: off) (default: 2 in SD with a draft model or head, measured best on the embedded model; "
-        "0 otherwise)", group=SPECULATIVE)
+        "elsewhere (0: off) (default: 2 with the shipped draft, measured best on the embedded model; 0 with "
+        "any other draft)", group=SPECULATIVE)
     deterministic: bool = option(False, "batch-invariant kernels: greedy SD/SSD output is bit-identical to AR "
                                  "output (the default fast mode may differ at numerical near-ties; slower)",
                                  group=SPECULATIVE)
@@ -260,17 +260,25 @@ class Config:
         return hit, (tuple(parse_fanout(miss, self.k_max)) if miss is not None else hit)
 
     @property
+    def shipped_draft(self) -> bool:
+        """SD drafts with the draft shipped for the embedded model (no --draft, or 'default')."""
+        return self.mode == "sd" and self.drafter == "draft" and self.draft in (None, "default")
+
+    @property
     def head_confidence(self) -> float:
-        """The confidence floor of an EAGLE-3 head's chains in SD: draft_confidence, or its default."""
-        return DEFAULT_DRAFT_CONFIDENCE if self.draft_confidence is None else float(self.draft_confidence)
+        """The confidence floor of an EAGLE-3 head's chains in SD: draft_confidence, or its default
+        (the measured one with the shipped draft, 0 with any other)."""
+        if self.draft_confidence is not None:
+            return float(self.draft_confidence)
+        return DEFAULT_DRAFT_CONFIDENCE if self.shipped_draft else 0.0
 
     @property
     def lookup_first_n(self) -> int:
-        """SD's prompt lookup before the draft: lookup_first, or its default (2 where it applies,
-        at most ngram_max; 0 elsewhere)."""
+        """SD's prompt lookup before the draft: lookup_first, or its default (the measured one with
+        the shipped draft, at most ngram_max; 0 with any other)."""
         if self.lookup_first is not None:
             return self.lookup_first
-        return min(DEFAULT_LOOKUP_FIRST, self.ngram_max) if self.mode == "sd" and self.drafter == "draft" else 0
+        return min(DEFAULT_LOOKUP_FIRST, self.ngram_max) if self.shipped_draft else 0
 
     @property
     def auto_k(self) -> bool:

@@ -17,6 +17,7 @@ from specfork.bench.measure import RunResult, throughput, time_passes
 from specfork.bench.peers import run_peer
 from specfork.bench.settings import SWEEPABLE, BenchSettings
 from specfork.bench.timing import percentiles
+from specfork.config import Config
 from specfork.errors import SpecforkError
 
 logger = logging.getLogger(__name__)
@@ -138,10 +139,11 @@ def _cell_settings(mode: str, s: BenchSettings) -> dict:
     keep = {"output_len", "temperature", "batch_size", "input_len"}
     if mode != "ar":
         keep |= {"k"}
-    if mode == "sd" and s.draft_confidence:
-        keep |= {"draft_confidence"}
-    if mode == "sd" and s.lookup_first:
-        keep |= {"lookup_first"}
+    shown = {}
+    if mode == "sd":  # the settings the engine runs with (its defaults resolved)
+        config = Config(model=s.model, **_engine_options(mode, s))
+        shown = {"draft_confidence": config.head_confidence, "lookup_first": config.lookup_first_n}
+        keep |= {name for name, value in shown.items() if value}
     if mode == "ssd":
         keep |= {"fan_out", "backup"} | ({"ssd_drafter"} if s.ssd_drafter != "process" else set())
     if s.tensor_parallel_size != 1:
@@ -150,7 +152,7 @@ def _cell_settings(mode: str, s: BenchSettings) -> dict:
         keep |= {"weights"}
     if s.device != "cpu":
         keep |= {"device"}
-    return {k: v for k, v in asdict(s).items() if k in keep}
+    return {k: v for k, v in (asdict(s) | shown).items() if k in keep}
 
 
 def run_benchmark(settings: BenchSettings, sweep: list[dict], progress: bool = True) -> dict:

@@ -6,8 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specfork.config import (
-    DEFAULT_DRAFT_CONFIDENCE,
-    DEFAULT_LOOKUP_FIRST,
     DEFAULT_MODEL,
     SSD_BACKUPS,
     WEIGHTS,
@@ -42,12 +40,13 @@ class BenchSettings:
     temperature: float = option(0.0, "0 = greedy")
     k: int | str = option(5, "speculated tokens per round, or auto (sd and ngram modes: chosen from measured "
                           "costs)", parse=int_or_auto)
-    draft_confidence: float = option(DEFAULT_DRAFT_CONFIDENCE, "SD with an EAGLE-3 head: take a chain's next token "
-                                     "only while the head's chain probability times its top probability there is "
-                                     "at least this (0: always k; default: the engine's)")
-    lookup_first: int = option(DEFAULT_LOOKUP_FIRST, "SD with a draft or head: prompt lookup of the context's last "
-                               "N..--ngram-max tokens proposes where it finds them, the draft elsewhere (0: off; "
-                               "default: the engine's)")
+    draft_confidence: float | None = option(None, "SD with an EAGLE-3 head: take a chain's next token only while "
+                                            "the head's chain probability times its top probability there is at "
+                                            "least this (0: always k; default: the engine's, 0.3 with the shipped "
+                                            "draft)")
+    lookup_first: int | None = option(None, "SD with a draft or head: prompt lookup of the context's last "
+                                      "N..--ngram-max tokens proposes where it finds them, the draft elsewhere (0: "
+                                      "off; default: the engine's, 2 with the shipped draft)")
     fan_out: int = option(3, "SSD fan-out per outcome")
     backup: str = option("jit", "SSD cache-miss backup", choices=SSD_BACKUPS)
     batch_size: int = option(1, "concurrent requests")
@@ -93,7 +92,8 @@ class BenchSettings:
         for name in ("num_prompts", "output_len", "fan_out", "batch_size", "repeat", "tensor_parallel_size") + (("k",) if self.k != "auto" else ()):
             if getattr(self, name) < 1:
                 raise SpecforkError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if isinstance(self.lookup_first, bool) or not isinstance(self.lookup_first, int) or self.lookup_first < 0:
+        if self.lookup_first is not None and (isinstance(self.lookup_first, bool)
+                                              or not isinstance(self.lookup_first, int) or self.lookup_first < 0):
             raise SpecforkError(f"lookup_first must be an integer >= 0 (0: off), got {self.lookup_first!r}")
         if self.warmup < 0:
             raise SpecforkError(f"warmup must be >= 0, got {self.warmup}")
