@@ -5,11 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specfork.config import (
-    DEFAULT_MODEL,
-    SSD_BACKUPS,
-    WEIGHTS,
-)
+from specfork.config import DEFAULT_MODEL, SSD_BACKUPS, WEIGHTS
 from specfork.errors import SpecforkError
 from specfork.options import comma_list, int_or_auto, option
 
