@@ -81,15 +81,20 @@ class SpeculativeStep:
 
     def execute(self, batch: ScheduledBatch) -> dict[Sequence, NewTokens]:
         if batch.is_prefill:
-            starts = [s.num_cached_tokens for s in batch.seqs]
-            logits = self.target.run_batch(batch)
-            self._share_features(batch.seqs, starts, _spans(batch.num_new_tokens))
-            sampling = [s for s, samples in zip(batch.seqs, batch.samples, strict=True) if samples]
-            return sample_new_tokens(logits, sampling) if sampling else {}
+            return self._plain_pass(batch)
         seqs = batch.seqs
         k = self.auto_k.k_for_round() if self.auto_k is not None else self.k
         budgets = [self._budget(s, k) for s in seqs]
         t0 = time.perf_counter()
+        if not any(budgets):  # nothing to propose (k auto chose 0, or no room): a plain decode step
+            out = self._plain_pass(batch)
+            seconds = time.perf_counter() - t0
+            for seq in seqs:
+                self._accepted[seq.seq_id] = 0
+                seq.stats.setdefault("spec", SpecStats()).record(0, 0, 0.0, seconds)
+            if self.auto_k is not None:
+                self.auto_k.end_round(k, seconds)
+            return out
         proposal = self.proposer.propose(seqs, budgets)
         t1 = time.perf_counter()
         logits = self._score(seqs, proposal)
@@ -117,6 +122,15 @@ class SpeculativeStep:
         if self.auto_k is not None:
             self.auto_k.end_round(k, time.perf_counter() - t0)
         return out
+
+    def _plain_pass(self, batch: ScheduledBatch) -> dict[Sequence, NewTokens]:
+        """A pass that verifies nothing (a prefill, or a round without proposals): the target's
+        logits sampled as AR samples them, its features handed to the proposer."""
+        starts = [s.num_cached_tokens for s in batch.seqs]
+        logits = self.target.run_batch(batch)
+        self._share_features(batch.seqs, starts, _spans(batch.num_new_tokens))
+        sampling = [s for s, samples in zip(batch.seqs, batch.samples, strict=True) if samples]
+        return sample_new_tokens(logits, sampling) if sampling else {}
 
     def committed(self, seq: Sequence) -> None:
         """The engine appended this round's tokens to ``seq``."""
