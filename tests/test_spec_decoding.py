@@ -206,6 +206,26 @@ def test_ngram_lookup_examples():
     assert NgramProposer(min_n=1, max_n=3).propose([seq], [2]).tokens == [[6, 4]]
 
 
+def _ngram_lookup_by_definition(tokens, min_n, max_n, k):
+    """The latest earlier window equal to the longest suffix (max_n down to min_n), by brute force."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        for start in range(len(tokens) - 1 - n, -1, -1):
+            if tokens[start : start + n] == tokens[len(tokens) - n :]:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+def test_ngram_lookup_equals_its_definition_on_random_contexts():
+    gen = torch.Generator().manual_seed(5)
+    for trial in range(400):
+        length = int(torch.randint(1, 60, (1,), generator=gen))
+        vocab = 2 + trial % 6  # small vocabularies: many repeats and long matches
+        tokens = torch.randint(0, vocab, (length,), generator=gen).tolist()
+        for min_n, max_n, k in ((1, 4, 5), (2, 3, 2), (1, 1, 1), (3, 5, 4)):
+            assert ngram_lookup(tokens, min_n=min_n, max_n=max_n, k=k) == \
+                _ngram_lookup_by_definition(tokens, min_n, max_n, k), (tokens, min_n, max_n, k)
+
+
 def test_verify_greedy():
     assert verify_greedy([5, 6, 7, 8], [5, 6, 9]).tokens == [5, 6, 7]
     assert verify_greedy([5, 6, 7, 8], [5, 6, 7]).tokens == [5, 6, 7, 8]
