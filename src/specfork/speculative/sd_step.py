@@ -86,7 +86,7 @@ class SpeculativeStep:
         k = self.auto_k.k_for_round() if self.auto_k is not None else self.k
         budgets = [self._budget(s, k) for s in seqs]
         t0 = time.perf_counter()
-        if not any(budgets):  # nothing to propose (k auto chose 0, or no room): a plain decode step
+        if k == 0:  # k auto chose plain decoding (SSD's k is fixed: its drafter hears of every round)
             out = self._plain_pass(batch)
             seconds = time.perf_counter() - t0
             for seq in seqs:
