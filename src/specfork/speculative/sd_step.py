@@ -84,7 +84,6 @@ class SpeculativeStep:
             return self._plain_pass(batch)
         seqs = batch.seqs
         k = self.auto_k.k_for_round() if self.auto_k is not None else self.k
-        budgets = [self._budget(s, k) for s in seqs]
         t0 = time.perf_counter()
         if k == 0:  # k auto chose plain decoding (SSD's k is fixed: its drafter hears of every round)
             out = self._plain_pass(batch)
@@ -95,7 +94,7 @@ class SpeculativeStep:
             if self.auto_k is not None:
                 self.auto_k.end_round(k, seconds)
             return out
-        proposal = self.proposer.propose(seqs, budgets)
+        proposal = self.proposer.propose(seqs, [self._budget(s, k) for s in seqs])
         t1 = time.perf_counter()
         logits = self._score(seqs, proposal)
         t2 = time.perf_counter()

@@ -116,7 +116,7 @@ struct Step {
 // Round rows r of x for projection w (into the scratch's rounded rows).
 parts::RoundedRows round_for(const Step& st, const parts::QuantWeight& w, const float* x, Range r) {
   const auto rows = parts::rounded_rows_in(st.scratch->rounded, w, st.s.T);
-  parts::round_rows(w, x, st.s.T, rows, r.begin * w.groups, r.end * w.groups);
+  parts::round_rows(w, x, rows, r.begin * w.groups, r.end * w.groups);
   return rows;
 }
 
@@ -213,7 +213,6 @@ void run_layer(const Step& st, const LayerWeights& w, const float* x, const floa
 // Everything a call needs before its team starts: shapes, weights and attention plan checked (no
 // error may leave a parallel region).
 struct Call {
-  Shapes s;
   std::vector<LayerWeights> layers;
   torch::Tensor cos, sin, slots, tables, seqs, poss;
   parts::AttentionPlan plan;
@@ -247,7 +246,7 @@ struct Call {
     const int64_t* slot = slots.data_ptr<int64_t>();
     for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < slots_total, "cache slot out of range");
     const int64_t inter = formats[0].size() == 8 ? formats[0][4] / 2 : 0;
-    s = Shapes{T, x.size(1), num_heads, num_kv_heads, D, inter, attn_width};
+    const Shapes s{T, x.size(1), num_heads, num_kv_heads, D, inter, attn_width};
     for (size_t i = 0; i < weights.size(); ++i) layers.push_back(layer_weights(weights[i], formats[i], s));
     TORCH_CHECK(seqs.numel() == T, "one sequence index and position per token");
     plan = parts::plan_attention(tables, seqs, poss, num_heads, num_kv_heads, D, cache0.size(2));

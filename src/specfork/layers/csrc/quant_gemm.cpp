@@ -355,22 +355,20 @@ QuantWeight quant_weight(const torch::Tensor& units, const torch::Tensor& scales
           tiles, groups, group};
 }
 
-int64_t rounded_words(const QuantWeight& w, int64_t M) {
-  const int64_t value_bytes = M * w.K * ((w.format & kInt8Inputs) ? 1 : 2);
-  return (value_bytes + 3) / 4 + 3 * M * w.groups;
-}
+// 32-bit words holding M rows of rounded values (int16, or int8 with int8 inputs).
+static int64_t value_words(const QuantWeight& w, int64_t M) { return (M * w.K * ((w.format & kInt8Inputs) ? 1 : 2) + 3) / 4; }
+
+int64_t rounded_words(const QuantWeight& w, int64_t M) { return value_words(w, M) + 3 * M * w.groups; }
 
 RoundedRows rounded_rows_in(float* words, const QuantWeight& w, int64_t M) {
-  const int64_t value_bytes = M * w.K * ((w.format & kInt8Inputs) ? 1 : 2);
-  float* stats = words + (value_bytes + 3) / 4;
+  float* stats = words + value_words(w, M);
   return {words, reinterpret_cast<int32_t*>(stats), stats + M * w.groups, stats + 2 * M * w.groups};
 }
 
 // Per row and group: the activations rounded to int16 (or int8), their scale, the sum of the
 // rounded values and the sum of the float inputs (sequential, so the same for any batch). A group
 // holding inf or NaN gets a NaN scale, so it propagates.
-void round_rows(const QuantWeight& w, const float* x, int64_t M, const RoundedRows& r, int64_t i0, int64_t i1) {
-  (void)M;
+void round_rows(const QuantWeight& w, const float* x, const RoundedRows& r, int64_t i0, int64_t i1) {
   const int64_t K = w.K, groups = w.groups, group = w.group;
   const auto run = [&](auto* xq, float top) {
     for (int64_t i = i0; i < i1; ++i) {
@@ -426,7 +424,7 @@ torch::Tensor quant_linear_impl(const torch::Tensor& x_in, const torch::Tensor& 
   const float* xp = x.data_ptr<float>();
   // Rows in parallel once there are many (batched decoding); each row's arithmetic is unchanged.
   at::parallel_for(0, M * w.groups, 8 * w.groups,
-                   [&](int64_t i0, int64_t i1) { parts::round_rows(w, xp, M, rows, i0, i1); });
+                   [&](int64_t i0, int64_t i1) { parts::round_rows(w, xp, rows, i0, i1); });
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, w.tiles, 4, [&](int64_t t0, int64_t t1) { parts::project_tiles(isa, w, rows, M, yp, t0, t1); });
   return y;
