@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specfork import SamplingParams, SpecforkError
-from specfork.sampling import logits_to_probs, sample_from_probs
+from specfork.sampling import greedy_tokens, logits_to_probs, sample_from_probs
 
 
 def _probs(logits, temperature=1.0, top_k=0, top_p=1.0):
@@ -19,6 +19,25 @@ def _probs(logits, temperature=1.0, top_k=0, top_p=1.0):
 
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 3.0, -1.0, 0.0, 1.5, -2.0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_greedy_tokens_is_torch_argmax_on_ties_nan_and_inf(dtype):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(40, 49152, generator=g).to(dtype)
+    logits[1, [7, 9000, 30000]] = 50.0  # a tie: the first index wins
+    logits[2, 123] = float("nan")  # a NaN counts as the largest value
+    logits[3, [5, 77]] = float("nan")
+    logits[4] = float("-inf")
+    logits[4, 999] = -1e30
+    logits[5] = float("-inf")  # all equal: index 0
+    logits[6, 48000] = float("inf")
+    logits[7] = logits[7].round()  # many ties
+    expected = logits.argmax(dim=-1).tolist()
+    assert greedy_tokens(logits) == expected
+    assert greedy_tokens(logits[:, :4096]) == logits[:, :4096].argmax(dim=-1).tolist()  # a strided view
+    assert greedy_tokens(logits[2:3]) == [123]
+    assert expected[1] == 7
 
 
 def test_temperature_scales_logits():

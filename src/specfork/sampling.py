@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from specfork.sampling_params import SamplingParams
@@ -68,6 +69,16 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     return logits_to_probs(logits, *sampling_tensors(params, logits.device))
 
 
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """The argmax of each row of ``logits`` [N, V] (the first one on ties, a NaN counting as the
+    largest value, as ``torch.argmax`` does). On the CPU it goes through NumPy, whose argmax is
+    vectorised: ~4 us for a 49152-token row where torch's takes ~30 us, paid on every greedy
+    step and every verified row."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64) and not logits.requires_grad:
+        return np.argmax(logits.numpy(), axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
 def sample_from_probs(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
     """One token per row, row i drawn with ``generators[i]`` (exponential race: argmax p / E)."""
     noise = torch.empty_like(probs)
@@ -103,13 +114,13 @@ def sample(
 ) -> Draw:
     """One token per row of ``logits`` [N, V]: argmax where ``params[i]`` is greedy, else a draw
     with ``generators[i]`` from the filtered distribution (passed through ``reshape`` first)."""
-    tokens = logits.argmax(dim=-1)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
-    probs = None
-    if sampled:
-        idx = torch.tensor(sampled, device=logits.device)
-        probs = filtered_probs(logits.index_select(0, idx), [params[i] for i in sampled])
-        if reshape is not None:
-            probs = reshape(probs)
-        tokens[idx] = sample_from_probs(probs, [generators[i] for i in sampled])
+    if not sampled:
+        return Draw(greedy_tokens(logits), sampled, None)
+    tokens = logits.argmax(dim=-1)
+    idx = torch.tensor(sampled, device=logits.device)
+    probs = filtered_probs(logits.index_select(0, idx), [params[i] for i in sampled])
+    if reshape is not None:
+        probs = reshape(probs)
+    tokens[idx] = sample_from_probs(probs, [generators[i] for i in sampled])
     return Draw(tokens.tolist(), sampled, probs)

@@ -21,7 +21,7 @@ import torch
 from specfork.config import K_MAX
 from specfork.engine.block_manager import BlockManager
 from specfork.engine.model_runner import ModelRunner
-from specfork.sampling import Reshape, sample
+from specfork.sampling import Reshape, greedy_tokens, sample
 from specfork.sampling_params import SamplingParams
 from specfork.speculative.draft_runner import Drafted, DraftState, last_rows
 
@@ -79,6 +79,7 @@ class HeadRunner:
         self.blocks = BlockManager(num_blocks, block_size)
         self.vocab_size = vocab_size
         self.device = device
+        self.draft_to_target: list[int] = head.draft_to_target.tolist()  # draft id -> target id
 
     # -- rows ---------------------------------------------------------------------------
 
@@ -178,11 +179,10 @@ class HeadRunner:
         ones = [1.0] * len(params)
         if all(p.greedy for p in params):  # the head's best token; no distribution to send
             draft_logits = self.head.compute_logits(out)
-            best = draft_logits.argmax(dim=-1)
-            tokens = self.head.draft_to_target.index_select(0, best).tolist()
+            tokens = [self.draft_to_target[best] for best in greedy_tokens(draft_logits)]
             if not with_confidence:
                 return tokens, None, ones, ones
-            confidence = torch.softmax(draft_logits, dim=-1).gather(1, best.unsqueeze(1)).squeeze(1).tolist()
+            confidence = torch.softmax(draft_logits, dim=-1).amax(dim=-1).tolist()  # the best token's
             return tokens, None, confidence, confidence
         logits = self.full_logits(out)
         draw = sample(logits, params, generators, reshape)

@@ -13,7 +13,7 @@ from specfork.engine.model_runner import ModelRunner
 from specfork.engine.scheduler import ScheduledBatch
 from specfork.engine.sequence import Sequence
 from specfork.engine.step import NewTokens, StepHealth, sample_new_tokens
-from specfork.sampling import filtered_probs
+from specfork.sampling import filtered_probs, greedy_tokens
 from specfork.speculative.auto_k import AutoK
 from specfork.speculative.proposer import Proposal, Proposer
 from specfork.speculative.rejection import verify_greedy, verify_sampled
@@ -182,7 +182,7 @@ class SpeculativeStep:
             per_row = [seqs[i] for i in sampled for _ in range(spans[i][1])]
             probs = filtered_probs(logits.index_select(0, idx), [s.params for s in per_row])
             target_probs = dict(zip(sampled, probs.split([spans[i][1] for i in sampled]), strict=True))
-        argmax = logits.argmax(dim=-1).tolist()
+        argmax = greedy_tokens(logits)
         results = []
         for i, (seq, props) in enumerate(zip(seqs, proposal.tokens, strict=True)):
             first, rows = spans[i]
