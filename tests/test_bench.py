@@ -9,7 +9,15 @@ import pytest
 import torch
 from builders import llama, randomize_
 
-from specfork.bench.report import COLUMNS, chart_series, format_table, plots, table_rows, write_all
+from specfork.bench.report import (
+    COLUMNS,
+    chart_series,
+    format_table,
+    plots,
+    source_summary,
+    table_rows,
+    write_all,
+)
 from specfork.bench.runner import parse_sweep, run_benchmark
 from specfork.bench.settings import BenchSettings
 from specfork.cli import main
@@ -178,6 +186,17 @@ def test_bench_sweeps_lookup_first(tiny, tmp_path, capsys):
     report = json.loads((out / "results.json").read_text())
     assert [r["settings"].get("lookup_first") for r in report["results"]] == [None, 2]
     assert "specfork sd k=2 lookup_first=2" in capsys.readouterr().out
+    plain, looked_up = report["results"]
+    assert plain["by_source"] is None  # one source: nothing to split
+    rounds = sum(c["rounds"] for c in looked_up["by_source"].values())
+    assert rounds > 0 and "Rounds by proposal source" in (out / "results.md").read_text()
+
+
+def test_source_summary_gives_each_sources_share_and_acceptance():
+    summary = source_summary({"lookup": {"rounds": 41, "proposed": 160, "accepted": 63},
+                              "draft": {"rounds": 59, "proposed": 0, "accepted": 0}})
+    assert summary == ("draft 59% of rounds, 0.00 accepted per round (- of proposed); "
+                       "lookup 41% of rounds, 1.54 accepted per round (0.39 of proposed)")
 
 
 def test_bench_sweeps_the_weights_option(tiny, tmp_path, capsys):

@@ -13,6 +13,7 @@ from specfork import LLM, SamplingParams
 from specfork.config import Config
 from specfork.engine.sequence import Sequence
 from specfork.errors import SpecforkError
+from specfork.outputs import aggregate_metrics
 from specfork.speculative.lookup_first import LookupFirstProposer
 from specfork.speculative.proposer import Proposal, StatelessProposer
 
@@ -52,14 +53,15 @@ def test_a_repeated_ngram_is_looked_up_and_the_rest_drafted_with_their_q():
     assert torch.equal(proposal.probs[0], torch.eye(V)[[3, 4, 1]])  # a lookup is a one-hot q
     assert torch.allclose(proposal.probs[1, :2], torch.full((2, V), 1 / 8))
     assert torch.allclose(proposal.probs[3, :1], torch.full((1, V), 1 / 8))
-    assert (proposer.rounds_looked_up, proposer.rounds_drafted) == (2, 2)
+    assert proposal.sources == ["lookup", "draft", "lookup", "draft"]
 
 
 def test_only_lookups_or_greedy_drafts_need_no_q():
     proposer = LookupFirstProposer(FixedDraft(), min_n=1, max_n=4)
-    assert proposer.propose([_seq(0, [4, 4], 1.0)], [2]) == Proposal([[4]], None)
+    assert proposer.propose([_seq(0, [4, 4], 1.0)], [2]) == Proposal([[4]], None, ["lookup"])
     greedy = proposer.propose([_seq(1, [1, 2], 0.0), _seq(2, [3, 3, 5], 0.0)], [2, 0])
-    assert greedy.tokens == [[7, 8], []] and greedy.probs is None  # a zero budget is neither looked up nor drafted
+    assert greedy.tokens == [[7, 8], []] and greedy.probs is None
+    assert greedy.sources == ["draft", None]  # a zero budget is neither looked up nor drafted
 
 
 @pytest.mark.parametrize("options, message", [
@@ -110,9 +112,15 @@ def test_greedy_sd_with_lookup_first_equals_ar(head_pair, draft_pair, drafter, k
     expected = [o.token_ids for o in LLM(models["target"], deterministic=True).generate(prompts, params)]
     llm = LLM(models["target"], mode="sd", draft=models["draft"], k=k, lookup_first=n, deterministic=True)
     for batch in ([prompts[0]], prompts):  # batch 1 and 4
-        assert [o.token_ids for o in llm.generate(batch, params)] == expected[: len(batch)]
-    proposer = llm.engine.step_strategy.proposer
-    assert proposer.rounds_looked_up > 0 and proposer.rounds_drafted > 0  # both sources proposed
+        outs = llm.generate(batch, params)
+        assert [o.token_ids for o in outs] == expected[: len(batch)]
+    # Both sources proposed, and their drafts add up to the requests' (rounds with no budget left,
+    # at a request's end, have no source).
+    by_source = aggregate_metrics(outs)["by_source"]
+    assert by_source["lookup"]["rounds"] > 0 and by_source["draft"]["rounds"] > 0
+    for key, total in (("proposed", "draft_tokens_proposed"), ("accepted", "draft_tokens_accepted")):
+        assert sum(c[key] for c in by_source.values()) == sum(o.metrics[total] for o in outs)
+    assert sum(c["rounds"] for c in by_source.values()) <= sum(o.metrics["spec_rounds"] for o in outs)
 
 
 def test_sampling_with_lookups_and_a_reduced_vocabulary_head_is_lossless(head_pair):
@@ -125,8 +133,8 @@ def test_sampling_with_lookups_and_a_reduced_vocabulary_head_is_lossless(head_pa
               kv_cache_tokens=512 * 16)
     outs = llm.generate([PROMPT] * n, [SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, seed=i, **params_kw)
                                        for i in range(n)])
-    proposer = llm.engine.step_strategy.proposer
-    assert proposer.rounds_looked_up > n // 10 and proposer.rounds_drafted > n // 10
+    by_source = aggregate_metrics(outs)["by_source"]
+    assert by_source["lookup"]["rounds"] > n // 10 and by_source["draft"]["rounds"] > n // 10
     accepted = sum(o.metrics["draft_tokens_accepted"] for o in outs)
     proposed = sum(o.metrics["draft_tokens_proposed"] for o in outs)
     assert 0 < accepted < proposed

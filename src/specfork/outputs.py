@@ -57,6 +57,9 @@ def aggregate_metrics(outputs: list[RequestOutput]) -> dict:
             target_time_s=sum(x["target_time_s"] for x in spec),
             acceptance_by_position=_pooled_by_position(spec),
         )
+        by_source = _pooled_by_source(spec)
+        if by_source:
+            agg["by_source"] = by_source
     ssd = [x for x in m if x.get("ssd_requests")]
     if ssd:
         requests = sum(x["ssd_requests"] for x in ssd)
@@ -70,6 +73,20 @@ def aggregate_metrics(outputs: list[RequestOutput]) -> dict:
             ssd_hidden_fraction=max(0.0, 1.0 - waited / drafter_s) if drafter_s else None,
         )
     return agg
+
+
+def _pooled_by_source(metrics: list[dict]) -> dict[str, dict]:
+    """Rounds, proposed and accepted drafts per proposal source ("lookup", "draft") where a proposer
+    combines several, pooled over requests, with the mean accepted drafts per round."""
+    pooled: dict[str, dict] = {}
+    for m in metrics:
+        for source, counts in m.get("by_source", {}).items():
+            p = pooled.setdefault(source, {"rounds": 0, "proposed": 0, "accepted": 0})
+            for key in p:
+                p[key] += counts[key]
+    for p in pooled.values():
+        p["mean_accepted"] = p["accepted"] / p["rounds"] if p["rounds"] else None
+    return pooled
 
 
 def _pooled_by_position(metrics: list[dict]) -> list[float]:

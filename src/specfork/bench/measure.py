@@ -30,6 +30,7 @@ class RunResult:
     point: int = 0  # index of the sweep point it belongs to
     weight_GBps: float | None = None  # --bandwidth, specfork AR: weight bytes per step x decode steps/s
     acceptance_by_position: list[float] | None = None  # accepted / proposed at each chain position
+    by_source: dict | None = None  # SD with lookup first: rounds, proposed, accepted per proposal source
     draft_step_ratio: float | None = None  # one draft step / one target decode step (SD with a draft or head)
     ssd_hidden_fraction: float | None = None  # share of the drafter's work hidden behind verification
     # Tensor parallelism: the shards' sums (all-gather and add) per forward, ms each, share of the run.

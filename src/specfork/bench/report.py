@@ -167,7 +167,24 @@ def _acceptance_lines(report: dict) -> list[str]:
     """Acceptance by chain position of every speculative run (accepted / proposed drafts)."""
     lines = [f"* {_label(r)}, {r['dataset']}: " + " ".join(f"{a:.2f}" for a in r["acceptance_by_position"])
              for r in report["results"] if r.get("acceptance_by_position")]
-    return ["", "Acceptance by chain position (accepted / proposed drafts at positions 1, 2, ...):", *lines] if lines else []
+    out = ["", "Acceptance by chain position (accepted / proposed drafts at positions 1, 2, ...):", *lines] if lines else []
+    sources = [f"* {_label(r)}, {r['dataset']}: {source_summary(r['by_source'])}"
+               for r in report["results"] if r.get("by_source")]
+    if sources:
+        out += ["", "Rounds by proposal source (lookup: a repeated n-gram proposed; draft: the draft or head did; "
+                "share of rounds, accepted drafts per round, accepted / proposed):", *sources]
+    return out
+
+
+def source_summary(by_source: dict) -> str:
+    """"lookup 41% of rounds, 1.53 accepted per round (0.50 of proposed); draft ..." """
+    total = sum(c["rounds"] for c in by_source.values()) or 1
+    parts = []
+    for source, c in sorted(by_source.items()):
+        rate = f"{c['accepted'] / c['proposed']:.2f}" if c["proposed"] else "-"
+        per_round = c["accepted"] / c["rounds"] if c["rounds"] else 0.0
+        parts.append(f"{source} {c['rounds'] / total:.0%} of rounds, {per_round:.2f} accepted per round ({rate} of proposed)")
+    return "; ".join(parts)
 
 
 def sum_lines(report: dict) -> list[str]:

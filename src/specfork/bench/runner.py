@@ -101,6 +101,7 @@ def run_specfork(mode: str, dataset: str, prompts: list[list[int]], s: BenchSett
         mean_accepted_length=agg.get("mean_accepted_length"),
         ssd_cache_hit_rate=agg.get("ssd_cache_hit_rate"),
         acceptance_by_position=agg.get("acceptance_by_position"),
+        by_source=agg.get("by_source"),
         draft_step_ratio=draft_ratio,
         ssd_hidden_fraction=agg.get("ssd_hidden_fraction"),
         latency_s=percentiles([o.metrics["time_s"] for o in outputs]),

@@ -29,8 +29,6 @@ class LookupFirstProposer:
         self.draft = draft
         self.min_n, self.max_n = min_n, max_n
         self.feature_layers = draft.feature_layers
-        self.rounds_looked_up = 0  # sequence-rounds proposed by lookup
-        self.rounds_drafted = 0  # sequence-rounds proposed by the draft
 
     def observe_features(self, seq: Sequence, first_position: int, features: torch.Tensor) -> None:
         self.draft.observe_features(seq, first_position, features)
@@ -39,25 +37,24 @@ class LookupFirstProposer:
         tokens = [ngram_lookup(s.token_ids, min_n=self.min_n, max_n=self.max_n, k=k)
                   for s, k in zip(seqs, num_tokens, strict=True)]
         rest = [i for i, (t, k) in enumerate(zip(tokens, num_tokens, strict=True)) if not t and k > 0]
-        self.rounds_looked_up += sum(1 for t in tokens if t)
-        self.rounds_drafted += len(rest)
+        drafted_rows = set(rest)
+        sources = ["lookup" if t else "draft" if i in drafted_rows else None for i, t in enumerate(tokens)]
         if not rest:
-            return Proposal(tokens, None)
+            return Proposal(tokens, None, sources)
         drafted = self.draft.propose([seqs[i] for i in rest], [num_tokens[i] for i in rest])
         for j, i in enumerate(rest):
             tokens[i] = drafted.tokens[j]
         if drafted.probs is None:  # every row deterministic or greedy
-            return Proposal(tokens, None)
+            return Proposal(tokens, None, sources)
         probs = torch.zeros(len(seqs), max(len(t) for t in tokens), drafted.probs.shape[-1],
                             device=drafted.probs.device)
-        drafted_rows = set(rest)
         for i, t in enumerate(tokens):
             if t and i not in drafted_rows:  # a lookup: one-hot q
                 probs[i, torch.arange(len(t), device=probs.device), torch.tensor(t, device=probs.device)] = 1.0
         for j, i in enumerate(rest):
             n = len(tokens[i])
             probs[i, :n] = drafted.probs[j, :n]
-        return Proposal(tokens, probs)
+        return Proposal(tokens, probs, sources)
 
     def accepted(self, seq: Sequence, num_accepted: int) -> None:
         self.draft.accepted(seq, num_accepted)

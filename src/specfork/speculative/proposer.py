@@ -18,10 +18,13 @@ class Proposal:
     distribution q that ``tokens[i][j]`` was drawn from, after the request's own
     temperature/top-k/top-p; rows of greedy requests and positions past ``len(tokens[i])`` are
     unused. ``probs is None`` means every proposal is deterministic (verified as one-hot q).
+    ``sources[i]`` names what proposed for sequence i where a proposer combines several (prompt
+    lookup first: "lookup" or "draft"; None for a sequence with no budget), for the statistics.
     """
 
     tokens: list[list[int]]
     probs: torch.Tensor | None  # [B, k, V] float32
+    sources: list[str | None] | None = None
 
     @classmethod
     def of(cls, tokens: list[list[int]], probs: list[torch.Tensor | None], vocab_size: int,

@@ -31,9 +31,15 @@ class SpecStats:
     proposed_by_position: list[int] = field(default_factory=list)
     draft_time_s: float = 0.0
     target_time_s: float = 0.0
+    by_source: dict[str, list[int]] = field(default_factory=dict)  # source -> [rounds, proposed, accepted]
 
-    def record(self, proposed: int, accepted: int, draft_s: float, target_s: float) -> None:
+    def record(self, proposed: int, accepted: int, draft_s: float, target_s: float, source: str | None = None) -> None:
         self.rounds += 1
+        if source is not None:
+            counts = self.by_source.setdefault(source, [0, 0, 0])
+            counts[0] += 1
+            counts[1] += proposed
+            counts[2] += accepted
         self.proposed += proposed
         self.accepted += accepted
         self.emitted += accepted + 1
@@ -60,6 +66,8 @@ class SpecStats:
             "proposed_by_position": list(self.proposed_by_position),
             "draft_time_s": self.draft_time_s,
             "target_time_s": self.target_time_s,
+            "by_source": {s: dict(zip(("rounds", "proposed", "accepted"), c, strict=True))
+                          for s, c in self.by_source.items()},
         }
 
 
@@ -104,12 +112,13 @@ class SpeculativeStep:
         self._share_features(seqs, [s.num_cached_tokens for s in seqs],
                              [(first, 1 + r.num_accepted) for (first, _), r in zip(spans, results, strict=True)])
         out = {}
-        for seq, props, result, (first, _) in zip(seqs, proposal.tokens, results, spans, strict=True):
+        sources = proposal.sources or [None] * len(seqs)
+        for seq, props, result, (first, _), source in zip(seqs, proposal.tokens, results, spans, sources, strict=True):
             # The last committed token and the accepted proposals are now in the target cache.
             seq.num_cached_tokens += 1 + result.num_accepted
             self._accepted[seq.seq_id] = result.num_accepted
             stats = seq.stats.setdefault("spec", SpecStats())
-            stats.record(len(props), result.num_accepted, draft_s, target_s)
+            stats.record(len(props), result.num_accepted, draft_s, target_s, source)
             if self.auto_k is not None:
                 self.auto_k.observe(len(props), result.num_accepted)
             logprobs = None
