@@ -77,15 +77,13 @@ def aggregate_metrics(outputs: list[RequestOutput]) -> dict:
 
 def _pooled_by_source(metrics: list[dict]) -> dict[str, dict]:
     """Rounds, proposed and accepted drafts per proposal source ("lookup", "draft") where a proposer
-    combines several, pooled over requests, with the mean accepted drafts per round."""
+    combines several, pooled over requests."""
     pooled: dict[str, dict] = {}
     for m in metrics:
         for source, counts in m.get("by_source", {}).items():
             p = pooled.setdefault(source, {"rounds": 0, "proposed": 0, "accepted": 0})
             for key in p:
                 p[key] += counts[key]
-    for p in pooled.values():
-        p["mean_accepted"] = p["accepted"] / p["rounds"] if p["rounds"] else None
     return pooled
 
 

@@ -114,13 +114,14 @@ def sample(
 ) -> Draw:
     """One token per row of ``logits`` [N, V]: argmax where ``params[i]`` is greedy, else a draw
     with ``generators[i]`` from the filtered distribution (passed through ``reshape`` first)."""
+    tokens = greedy_tokens(logits)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if not sampled:
-        return Draw(greedy_tokens(logits), sampled, None)
-    tokens = logits.argmax(dim=-1)
+        return Draw(tokens, sampled, None)
     idx = torch.tensor(sampled, device=logits.device)
     probs = filtered_probs(logits.index_select(0, idx), [params[i] for i in sampled])
     if reshape is not None:
         probs = reshape(probs)
-    tokens[idx] = sample_from_probs(probs, [generators[i] for i in sampled])
-    return Draw(tokens.tolist(), sampled, probs)
+    for i, token in zip(sampled, sample_from_probs(probs, [generators[i] for i in sampled]).tolist(), strict=True):
+        tokens[i] = token
+    return Draw(tokens, sampled, probs)

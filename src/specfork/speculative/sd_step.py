@@ -31,15 +31,15 @@ class SpecStats:
     proposed_by_position: list[int] = field(default_factory=list)
     draft_time_s: float = 0.0
     target_time_s: float = 0.0
-    by_source: dict[str, list[int]] = field(default_factory=dict)  # source -> [rounds, proposed, accepted]
+    by_source: dict[str, dict[str, int]] = field(default_factory=dict)  # source -> rounds, proposed, accepted
 
     def record(self, proposed: int, accepted: int, draft_s: float, target_s: float, source: str | None = None) -> None:
         self.rounds += 1
         if source is not None:
-            counts = self.by_source.setdefault(source, [0, 0, 0])
-            counts[0] += 1
-            counts[1] += proposed
-            counts[2] += accepted
+            counts = self.by_source.setdefault(source, {"rounds": 0, "proposed": 0, "accepted": 0})
+            counts["rounds"] += 1
+            counts["proposed"] += proposed
+            counts["accepted"] += accepted
         self.proposed += proposed
         self.accepted += accepted
         self.emitted += accepted + 1
@@ -66,8 +66,7 @@ class SpecStats:
             "proposed_by_position": list(self.proposed_by_position),
             "draft_time_s": self.draft_time_s,
             "target_time_s": self.target_time_s,
-            "by_source": {s: dict(zip(("rounds", "proposed", "accepted"), c, strict=True))
-                          for s, c in self.by_source.items()},
+            "by_source": {s: dict(c) for s, c in self.by_source.items()},
         }
 
 
