@@ -102,6 +102,32 @@ def test_train_draft_end_to_end_and_resume(tiny_target, tmp_path):
         train_draft(replace(job, data=replace(job.data, max_new_tokens=13)))
 
 
+def test_more_prompts_generate_only_the_new_responses(tiny_target, tmp_path):
+    """Asking for more prompts in the same work dir keeps the data shards and answers only the
+    new prompts; the examples equal those of a fresh work dir, in the prompts' order."""
+    from dataclasses import replace
+
+    from specfork.training import pipeline
+
+    job = _job(tiny_target, tmp_path)
+    llm = pipeline.target_llm(job)
+    first = pipeline.generate_data(job, llm)
+    shards = {p.name: p.stat().st_mtime_ns for p in (job.work_dir / "data").glob("shard_*.pt")}
+    asked = []
+    generate = llm.generate
+    llm.generate = lambda ids, params: asked.extend(ids) or generate(ids, params)
+    grown = replace(job, data=replace(job.data, num_prompts=12))
+    more = pipeline.generate_data(grown, llm)
+    after = {p.name: p.stat().st_mtime_ns for p in (job.work_dir / "data").glob("shard_*.pt")}
+    assert {n: t for n, t in after.items() if n in shards} == shards and len(after) == len(shards) + 2
+    old = {tuple(e.prompt_ids) for e in first}
+    assert len(asked) == 4 and not old & {tuple(i) for i in asked}
+    llm.generate = generate
+    fresh = pipeline.generate_data(replace(grown, work_dir=tmp_path / "fresh"), llm)
+    assert [(e.id, e.prompt_ids, e.response_ids) for e in more] == [(e.id, e.prompt_ids, e.response_ids) for e in fresh]
+    assert [e.id for e in more] == [p.id for p in training_prompts(12, seed=0, code_fraction=0.5)]
+
+
 def test_interrupted_training_resumes_to_the_same_weights(tiny_target, tmp_path):
     job = _job(tiny_target, tmp_path, epochs=10.0)
     from specfork.training.pipeline import generate_data, target_llm

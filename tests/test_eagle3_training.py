@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -103,6 +104,35 @@ def test_rerun_keeps_feature_shards_and_the_finished_checkpoint(trained, example
     assert again["last_loss"] == result["last_loss"]  # the history came back from the checkpoint
 
 
+def test_more_examples_compute_only_the_new_features(trained, examples, tmp_path):
+    """A run over more examples in the same work dir keeps every stored shard and computes only
+    the new sequences; every example then reads the features a fresh work dir computes for it."""
+    job, _ = trained
+    work = tmp_path / "work"
+    shutil.copytree(job.work_dir / "features", work / "features")
+    before = {p.name: p.stat().st_mtime_ns for p in (work / "features").glob("shard_*.pt")}
+    rng = random.Random(5)
+    extra = [Example("test", f"new{i}", [rng.randrange(3, 256) for _ in range(6)], [rng.randrange(3, 256) for _ in range(9)])
+             for i in range(3)]
+    grown = examples[:10] + extra + examples[10:]
+    _train(replace(job, work_dir=work, output=tmp_path / "head", train=replace(job.train, epochs=0.01)), grown)
+    after = {p.name: p.stat().st_mtime_ns for p in (work / "features").glob("shard_*.pt")}
+    assert {n: t for n, t in after.items() if n in before} == before
+    assert len(after) == len(before) + 1  # the 3 new sequences fill one more shard
+    fresh = tmp_path / "fresh"
+    _train(replace(job, work_dir=fresh, output=tmp_path / "fresh-head", train=replace(job.train, epochs=0.01)), grown)
+    kept = FeatureStore(work / "features", grown, job.train.max_seq_len)
+    alone = FeatureStore(fresh / "features", grown, job.train.max_seq_len)
+    for i in range(len(grown)):
+        a, b = kept.record(i), alone.record(i)
+        assert torch.equal(a["ids"], b["ids"]) and a["prompt_len"] == b["prompt_len"]
+        # Batched differently, the prefill rounds differently: a unit in the last fp16 place at most.
+        torch.testing.assert_close(a["features"], b["features"], rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(a["hidden"], b["hidden"], rtol=2e-3, atol=2e-3)
+    with pytest.raises(SpecforkError, match="lacks the features of 3 of"):
+        FeatureStore(job.work_dir / "features", grown, job.train.max_seq_len)
+
+
 def test_the_trained_head_drafts_in_sd_and_greedy_output_equals_ar(trained, examples, target):
     """The saved head is an SD draft (``--draft``): greedy SD reproduces AR, and on a prompt it
     was trained on it gets drafts accepted."""
@@ -145,7 +175,7 @@ def test_init_head_goes_on_from_a_saved_head_with_its_vocabulary(trained, exampl
 def test_interrupted_training_resumes_to_the_same_weights(trained, examples, target, tmp_path):
     job, _ = trained
     loaded = LLM(str(target)).engine.loaded
-    store = FeatureStore(job.work_dir / "features", len(examples), job.eagle3.shard_size)
+    store = FeatureStore(job.work_dir / "features", examples, job.train.max_seq_len)
     config = head_config(loaded.arch, DRAFT_VOCAB, (2, 1, 0))
     draft_ids = torch.arange(0, 256, 2)
 
@@ -171,7 +201,7 @@ def test_interrupted_training_resumes_to_the_same_weights(trained, examples, tar
 def test_bfloat16_matrix_products_train_close_to_float32(trained, examples, target, tmp_path):
     job, _ = trained
     loaded = LLM(str(target)).engine.loaded
-    store = FeatureStore(job.work_dir / "features", len(examples), job.eagle3.shard_size)
+    store = FeatureStore(job.work_dir / "features", examples, job.train.max_seq_len)
     config = head_config(loaded.arch, DRAFT_VOCAB, (2, 1, 0))
 
     def trainer(precision, directory):
@@ -242,7 +272,7 @@ def test_saved_head_loads_and_computes_the_formula(trained, examples, target):
     head = Eagle3TrainHead(config.arch, config.target_hidden_size, embed, draft_ids)
     head.load_state_dict(tensors)  # every trained weight is saved, under the checkpoint's names
 
-    store = FeatureStore(job.work_dir / "features", len(examples), job.eagle3.shard_size)
+    store = FeatureStore(job.work_dir / "features", examples, job.train.max_seq_len)
     batch = collate_features(store, [0], torch.device("cpu"))
     n, arch = int(batch.lengths[0]), config.arch
     x = batch.ids[0].tolist()
@@ -279,7 +309,7 @@ def test_ttt_loss_is_the_weighted_cross_entropy_against_the_target(trained, exam
     head = Eagle3TrainHead(config.arch, 64, torch.randn(256, 64), draft_ids)
     head.load_state_dict(tensors)
     rows = torch.randn(DRAFT_VOCAB, 64)
-    store = FeatureStore(job.work_dir / "features", len(examples), job.eagle3.shard_size)
+    store = FeatureStore(job.work_dir / "features", examples, job.train.max_seq_len)
     batch = collate_features(store, [3, 4], torch.device("cpu"))
     with torch.no_grad():
         result = ttt_loss(head, batch, rows, steps=2)
@@ -308,7 +338,7 @@ def test_ttt_loss_of_a_batch_matches_one_sequence_at_a_time(trained, examples):
     config = read_eagle3_config(job.output)
     torch.manual_seed(0)
     head = Eagle3TrainHead(config.arch, 64, torch.randn(256, 64), torch.arange(DRAFT_VOCAB))
-    store = FeatureStore(job.work_dir / "features", len(examples), job.eagle3.shard_size)
+    store = FeatureStore(job.work_dir / "features", examples, job.train.max_seq_len)
     rows = torch.randn(DRAFT_VOCAB, 64)
     with torch.no_grad():
         both = ttt_loss(head, collate_features(store, [1, 2], torch.device("cpu")), rows, steps=TTT_STEPS)

@@ -11,12 +11,15 @@ Only conversations in the ``train`` split (see :mod:`specfork.datasets`) are use
 no evaluation prompt is ever seen in training. HumanEval is never used.
 
 The target's greedy responses are generated with specfork in shards of ``shard_size``
-prompts, each saved as soon as it is done, so an interrupted run resumes where it stopped.
+prompts, each saved as soon as it is done. A response is found again by its prompt's token ids,
+not by its place in the list, so an interrupted run resumes where it stopped and a run asking for
+more prompts (a larger ``num_prompts``) in the same work dir generates only the new ones.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import random
 import re
 from dataclasses import dataclass
@@ -26,6 +29,8 @@ import torch
 
 from specfork.datasets import Prompt, sharegpt_prompts, sharegpt_records, sharegpt_split
 from specfork.errors import SpecforkError
+
+logger = logging.getLogger(__name__)
 
 CODE_BLOCK = re.compile(r"```([A-Za-z0-9_+#-]*)\n(.*?)```", re.DOTALL)
 CODE_PROMPT_MAX_CHARS = 1200
@@ -102,18 +107,28 @@ def tokenize(tokenizer, prompt: Prompt) -> list[int]:
     return tokenizer.encode(prompt.text)
 
 
+GROWABLE = ("num_prompts",)  # settings a work dir's shards may differ in: more prompts only add shards
+
+
 def check_manifest(data_dir: Path, manifest: dict) -> None:
+    """Store ``manifest`` (the settings that decide the shards' contents) beside them, or refuse
+    one that differs from the stored one in anything but the ``GROWABLE`` settings."""
+    manifest = {k: v for k, v in manifest.items() if k not in GROWABLE}
     path = data_dir / "manifest.json"
     if path.exists():
-        saved = json.loads(path.read_text())
+        saved = {k: v for k, v in json.loads(path.read_text()).items() if k not in GROWABLE}
         if saved != manifest:
             diff = {k: (saved.get(k), manifest.get(k)) for k in set(saved) | set(manifest) if saved.get(k) != manifest.get(k)}
             raise SpecforkError(
                 f"{data_dir} holds data generated with other settings {diff} (saved, requested); "
                 "use another --work-dir or the same settings"
             )
-    else:
-        path.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    path.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+
+
+def next_shard_index(directory: Path) -> int:
+    """The index of the next shard to write under ``directory`` (0 when it holds none)."""
+    return 1 + max((int(p.stem.split("_")[1]) for p in directory.glob("shard_*.pt")), default=-1)
 
 
 def load_examples(data_dir: Path) -> list[Example]:
@@ -135,12 +150,12 @@ def generate_examples(
     shard_size: int = 64,
     progress: bool = True,
 ) -> list[Example]:
-    """Greedy target responses for ``prompts``, saved shard by shard under ``data_dir``.
+    """Greedy target responses for ``prompts`` (in their order), saved shard by shard under ``data_dir``.
 
-    Shards already on disk are kept, so calling this again after an interruption only
-    generates what is missing; ``manifest`` (the settings that decide the data) is stored
-    beside them, and resuming with different settings is refused. Prompts longer than ``max_prompt_tokens`` keep their last
-    ``max_prompt_tokens`` tokens."""
+    Responses already on disk are kept and found by their prompt's ids, so calling this again
+    after an interruption, or with more prompts, only generates what is missing; ``manifest``
+    (the settings that decide the data) is stored beside them, and other settings are refused.
+    Prompts longer than ``max_prompt_tokens`` keep their last ``max_prompt_tokens`` tokens."""
     from tqdm import tqdm
 
     from specfork.sampling_params import SamplingParams
@@ -148,25 +163,29 @@ def generate_examples(
     data_dir.mkdir(parents=True, exist_ok=True)
     check_manifest(data_dir, manifest)
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
-    shards = [prompts[i : i + shard_size] for i in range(0, len(prompts), shard_size)]
-    bar = tqdm(total=len(prompts), desc="target responses", unit="prompt", disable=not progress)
+    ids = [tuple(tokenize(llm.tokenizer, p)[-max_prompt_tokens:]) for p in prompts]
+    responses = {tuple(e.prompt_ids): e.response_ids for e in load_examples(data_dir)}
+    missing = list({i: p for p, i in zip(prompts, ids, strict=True) if i not in responses}.items())
+    logger.info("target responses: %d prompts to answer, the other %d of %d already answered under %s",
+                len(missing), len(prompts) - len(missing), len(prompts), data_dir)
+    bar = tqdm(total=len(missing), desc="target responses", unit="prompt", disable=not progress)
+    index = next_shard_index(data_dir)
     tokens = 0
-    for index, shard in enumerate(shards):
-        path = shard_path(data_dir, index)
-        if path.exists():
-            bar.update(len(shard))
-            continue
-        ids = [tokenize(llm.tokenizer, p)[-max_prompt_tokens:] for p in shard]
-        outputs = llm.generate(ids, params)
+    for start in range(0, len(missing), shard_size):
+        shard = missing[start : start + shard_size]
+        outputs = llm.generate([list(i) for i, _ in shard], params)
         rows = [
-            {"source": p.dataset, "id": p.id, "prompt_ids": i, "response_ids": o.token_ids}
-            for p, i, o in zip(shard, ids, outputs, strict=True)
+            {"source": p.dataset, "id": p.id, "prompt_ids": list(i), "response_ids": o.token_ids}
+            for (i, p), o in zip(shard, outputs, strict=True)
         ]
+        path = shard_path(data_dir, index)
         tmp = path.with_suffix(".tmp")
         torch.save(rows, tmp)
         tmp.replace(path)
+        index += 1
+        responses.update((i, o.token_ids) for (i, _), o in zip(shard, outputs, strict=True))
         tokens += sum(len(o.token_ids) for o in outputs)
         bar.update(len(shard))
         bar.set_postfix(new_tokens=tokens)
     bar.close()
-    return load_examples(data_dir)
+    return [Example(p.dataset, p.id, list(i), responses[i]) for p, i in zip(prompts, ids, strict=True)]

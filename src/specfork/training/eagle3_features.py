@@ -4,13 +4,15 @@ training sequence, and the head's reduced draft vocabulary.
 Features come from one target prefill per sequence (several sequences per pass): the inputs of
 the feature layers, [n, 3d], and the final normed hidden state, [n, d], from which the loss
 derives the target's next-token distribution over the draft vocabulary (full logits are never
-stored). They are written in fp16 shards under ``features/``, each as soon as it is done, so an
-interrupted run keeps its finished shards. A shard is read back memory-mapped: a batch touches
-only the sequences it holds.
+stored). They are written in fp16 shards under ``features/``, each as soon as it is done, and
+found again by the sequence's token ids, so an interrupted run keeps its finished shards and a run
+over more examples computes only the new ones. A shard is read back memory-mapped: a batch
+touches only the sequences it holds.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +20,7 @@ from pathlib import Path
 import torch
 
 from specfork.errors import SpecforkError
-from specfork.training.data import Example, check_manifest, shard_path
+from specfork.training.data import Example, check_manifest, next_shard_index, shard_path
 from specfork.training.settings import DRAFT_VOCAB_SIZES
 
 logger = logging.getLogger(__name__)
@@ -73,47 +75,72 @@ def training_sequence(example: Example, max_seq_len: int) -> tuple[list[int], in
     return prompt + response, len(prompt)
 
 
-class FeatureStore:
-    """The feature shards of ``directory``; ``record(i)`` is the i-th example's sequence:
-    ``ids`` [n] int32, ``prompt_len``, ``features`` [n, 3d] and ``hidden`` [n, d] (fp16)."""
+def sequence_key(ids) -> bytes:
+    """What a stored sequence is found by: a digest of its token ids."""
+    return hashlib.sha1(torch.as_tensor(ids, dtype=torch.int32).numpy().tobytes()).digest()
 
-    def __init__(self, directory: Path, num_examples: int, shard_size: int) -> None:
-        self.shard_size = shard_size
-        self.shards = [torch.load(shard_path(directory, i), weights_only=True, mmap=True)
-                       for i in range(-(-num_examples // shard_size))]
-        if sum(len(s) for s in self.shards) != num_examples:
-            raise SpecforkError(f"{directory} holds features of other examples; use another --work-dir")
+
+class FeatureStore:
+    """The feature shards of ``directory`` as seen by ``examples``: ``record(i)`` is the i-th
+    example's training sequence (``max_seq_len`` tokens at most): ``ids`` [n] int32,
+    ``prompt_len``, ``features`` [n, 3d] and ``hidden`` [n, d] (fp16)."""
+
+    def __init__(self, directory: Path, examples: list[Example], max_seq_len: int) -> None:
+        self.shards, where = stored_sequences(directory)
+        keys = [sequence_key(training_sequence(e, max_seq_len)[0]) for e in examples]
+        missing = sum(k not in where for k in keys)
+        if missing:
+            raise SpecforkError(f"{directory} lacks the features of {missing} of {len(examples)} training "
+                                "sequences; run train-draft again to compute them")
+        self.index = [where[k] for k in keys]
 
     def __len__(self) -> int:
-        return sum(len(s) for s in self.shards)
+        return len(self.index)
 
     def record(self, index: int) -> dict:
-        shard, row = divmod(index, self.shard_size)
+        shard, row = self.index[index]
         return self.shards[shard][row]
+
+
+def stored_sequences(directory: Path) -> tuple[list[list[dict]], dict[bytes, tuple[int, int]]]:
+    """The shards under ``directory`` (memory-mapped) and where each sequence lies in them."""
+    shards = [torch.load(p, weights_only=True, mmap=True) for p in sorted(directory.glob("shard_*.pt"))]
+    where: dict[bytes, tuple[int, int]] = {}
+    for s, shard in enumerate(shards):
+        for r, record in enumerate(shard):
+            where.setdefault(sequence_key(record["ids"]), (s, r))
+    return shards, where
 
 
 def extract_features(llm, examples: list[Example], directory: Path, *, layers: tuple[int, ...], max_seq_len: int,
                      batch: int, shard_size: int, manifest: dict, progress: bool = True) -> FeatureStore:
     """The target's features of every example's training sequence, saved shard by shard under
-    ``directory`` (shards on disk are kept; ``manifest`` must match the one stored beside them)."""
+    ``directory`` (sequences already stored are kept; ``manifest`` must match the one stored
+    beside them)."""
     from tqdm import tqdm
 
     directory.mkdir(parents=True, exist_ok=True)
     check_manifest(directory, manifest)
-    bar = tqdm(total=len(examples), desc="target features", unit="seq", disable=not progress)
-    for index, start in enumerate(range(0, len(examples), shard_size)):
-        shard = examples[start : start + shard_size]
+    _, where = stored_sequences(directory)
+    todo = list({k: e for e in examples
+                 if (k := sequence_key(training_sequence(e, max_seq_len)[0])) not in where}.values())
+    logger.info("target features: %d sequences to compute, the other %d of %d already stored under %s",
+                len(todo), len(examples) - len(todo), len(examples), directory)
+    bar = tqdm(total=len(todo), desc="target features", unit="seq", disable=not progress)
+    index = next_shard_index(directory)
+    for start in range(0, len(todo), shard_size):
+        shard = todo[start : start + shard_size]
+        rows = []
+        for first in range(0, len(shard), batch):
+            rows.extend(_capture(llm, shard[first : first + batch], layers, max_seq_len))
         path = shard_path(directory, index)
-        if not path.exists():
-            rows = []
-            for first in range(0, len(shard), batch):
-                rows.extend(_capture(llm, shard[first : first + batch], layers, max_seq_len))
-            tmp = path.with_suffix(".tmp")
-            torch.save(rows, tmp)
-            tmp.replace(path)
+        tmp = path.with_suffix(".tmp")
+        torch.save(rows, tmp)
+        tmp.replace(path)
+        index += 1
         bar.update(len(shard))
     bar.close()
-    return FeatureStore(directory, len(examples), shard_size)
+    return FeatureStore(directory, examples, max_seq_len)
 
 
 def _capture(llm, examples: list[Example], layers: tuple[int, ...], max_seq_len: int) -> list[dict]:
