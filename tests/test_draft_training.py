@@ -13,6 +13,7 @@ from specfork import LLM, SamplingParams
 from specfork.loading.gguf_file import GGUFFile
 from specfork.loading.resolve import resolve_checkpoint
 from specfork.loading.tokenizer import load_gguf_tokenizer
+from specfork.speculative.corpus import load_corpus
 from specfork.training.data import load_examples, training_prompts
 from specfork.training.pipeline import train_draft
 from specfork.training.settings import DataSettings, DraftArch, TrainDraftJob, TrainSettings
@@ -75,6 +76,9 @@ def test_train_draft_end_to_end_and_resume(tiny_target, tmp_path):
     saved = json.loads((job.output / "specfork_draft.json").read_text())
     assert saved["train_steps"] == result["train_steps"] > 0
     assert set(saved["acceptance"]) == {"humaneval", "sharegpt"}
+    responses = [e.response_ids for e in load_examples(job.work_dir / "data")]
+    corpus = load_corpus(job.work_dir / "lookup_corpus.npz", 49152)
+    assert saved["lookup_corpus"]["tokens"] == len(corpus) == sum(map(len, responses)) > 0
     assert (job.output / "config.json").is_file() and (job.output / "model.safetensors").is_file()
     assert (job.output / "tokenizer.json").is_file() or (job.output / "tokenizer_config.json").is_file()
 

@@ -19,6 +19,7 @@ from builders import build_tiny_checkpoint
 from specfork import LLM, SamplingParams
 from specfork.errors import SpecforkError
 from specfork.loading.eagle3 import draft_to_target, load_eagle3_tensors, read_eagle3_config
+from specfork.speculative.corpus import load_corpus
 from specfork.training import eagle3_pipeline, pipeline
 from specfork.training.data import Example
 from specfork.training.eagle3_features import FeatureStore, choose_draft_vocab
@@ -85,6 +86,9 @@ def test_training_lowers_the_loss_and_records_provenance(trained, examples):
         result["draft_vocab"]["coverage"])}
     assert 0.5 < saved["draft_vocab"]["coverage"] <= 1.0
     assert saved["examples"] == {"train": 21, "held_out": 3}
+    # The target's responses are also written as a lookup corpus (--lookup-corpus).
+    corpus = load_corpus(job.work_dir / "lookup_corpus.npz", 256)
+    assert saved["lookup_corpus"]["tokens"] == len(corpus) == sum(len(e.response_ids) for e in examples)
     assert [c["step"] for c in saved["curve"]] == [8, 16, 24, 32, 36]  # one evaluation per checkpoint
     final = saved["eval"]
     assert len(final["top1_by_step"]) == TTT_STEPS and final["positions"] > 0

@@ -96,6 +96,11 @@ class Config:
         "occurred earlier, propose what followed them (prompt lookup) instead of drafting; the draft proposes "
         "elsewhere (0: off) (default: 2 with the shipped draft, measured best on the embedded model; 0 with "
         "any other draft)", group=SPECULATIVE)
+    lookup_corpus: str | None = option(
+        None, "SD's prompt lookup (--drafter ngram, or --lookup-first before a draft): where the prompt and output "
+        "hold no match, look the context's last 8, 6, 4 or 3 tokens up in this corpus of the target's responses "
+        "(the lookup_corpus.npz that train-draft writes in its --work-dir) and propose what followed there; 'none': "
+        "off (default: the corpus shipped for the target, if any: the embedded model has one)", group=SPECULATIVE)
     deterministic: bool = option(False, "batch-invariant kernels: greedy SD/SSD output is bit-identical to AR "
                                  "output (the default fast mode may differ at numerical near-ties; slower)",
                                  group=SPECULATIVE)
@@ -181,6 +186,7 @@ class Config:
         if self.ngram_min > self.ngram_max:
             raise SpecforkError(f"ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})")
         self._check_lookup_first()
+        self._check_lookup_corpus()
         if self.draft is not None and (not isinstance(self.draft, str) or not self.draft):
             raise SpecforkError("draft must be a non-empty path or alias")
         if not isinstance(self.deterministic, bool):
@@ -231,6 +237,16 @@ class Config:
             raise SpecforkError(f"lookup_first ({n}) must not exceed ngram_max ({self.ngram_max}), the longest "
                                 "n-gram looked up")
 
+    def _check_lookup_corpus(self) -> None:
+        corpus = self.lookup_corpus
+        if corpus is None or corpus == "none":
+            return
+        if not isinstance(corpus, str) or not corpus:
+            raise SpecforkError(f"lookup_corpus must be a path, 'default' or 'none', got {corpus!r}")
+        if not self.prompt_lookup:
+            raise SpecforkError("lookup_corpus is searched by SD's prompt lookup: use --mode sd with --drafter ngram, "
+                                "or with a draft and --lookup-first N")
+
     def _check_distributed(self) -> None:
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         if self.distributed_launch not in DIST_LAUNCHES:
@@ -279,6 +295,11 @@ class Config:
         if self.lookup_first is not None:
             return self.lookup_first
         return min(DEFAULT_LOOKUP_FIRST, self.ngram_max) if self.shipped_draft else 0
+
+    @property
+    def prompt_lookup(self) -> bool:
+        """SD proposes by prompt lookup, alone (drafter ngram) or before a draft (lookup_first)."""
+        return self.mode == "sd" and (self.drafter == "ngram" or self.lookup_first_n > 0)
 
     @property
     def auto_k(self) -> bool:

@@ -65,8 +65,11 @@ def _engine_options(mode: str, s: BenchSettings) -> dict:
     if mode == "sd":
         options.update(mode="sd", draft=s.draft, k=s.k, draft_confidence=s.draft_confidence,
                        lookup_first=s.lookup_first)
+        config = Config(model=s.model, **options)
+        if config.prompt_lookup:
+            options.update(lookup_corpus=s.lookup_corpus)
     elif mode == "ngram":
-        options.update(mode="sd", drafter="ngram", k=s.k)
+        options.update(mode="sd", drafter="ngram", k=s.k, lookup_corpus=s.lookup_corpus)
     elif mode == "ssd":
         options.update(mode="ssd", draft=s.draft, k=s.k, fan_out=s.fan_out, backup=s.backup, threads=None,
                        target_cores=s.target_cores, draft_cores=s.draft_cores,
@@ -145,6 +148,8 @@ def _cell_settings(mode: str, s: BenchSettings) -> dict:
         config = Config(model=s.model, **_engine_options(mode, s))
         shown = {"draft_confidence": config.head_confidence, "lookup_first": config.lookup_first_n}
         keep |= {name for name, value in shown.items() if value}
+    if mode in ("sd", "ngram") and s.lookup_corpus is not None:
+        keep |= {"lookup_corpus"}
     if mode == "ssd":
         keep |= {"fan_out", "backup"} | ({"ssd_drafter"} if s.ssd_drafter != "process" else set())
     if s.tensor_parallel_size != 1:

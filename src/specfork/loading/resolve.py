@@ -17,6 +17,8 @@ GGUF_MAGIC = b"GGUF"
 # independent draft model. Each is also a --draft name (its file name without extension).
 SHIPPED_DRAFTS = {EMBEDDED_GGUF: ("smollm2-135m-eagle3", "smollm2-135m-draft.gguf")}
 DEFAULT_DRAFT = "default"
+# Lookup corpora shipped inside specfork (speculative/corpus.py), by the file name of their target.
+SHIPPED_CORPORA = {EMBEDDED_GGUF: "smollm2-135m-corpus.npz"}
 
 
 class CheckpointFormat(Enum):
@@ -92,3 +94,24 @@ def _shipped(name: str) -> str:
     if not path.exists():
         raise ModelLoadError(f"the shipped draft {path} is missing from this installation")
     return str(path)
+
+
+def resolve_corpus(corpus: str | None, target: CheckpointLocation) -> Path | None:
+    """The lookup corpus to load: ``corpus`` as a path, None for ``"none"``, and for None or
+    ``"default"`` the corpus shipped for ``target`` (None for a target without one, unless
+    ``"default"`` asked for it)."""
+    if corpus == "none":
+        return None
+    if corpus in (None, DEFAULT_DRAFT):
+        name = SHIPPED_CORPORA.get(target.path.name)
+        path = shipped_drafts_dir() / name if name else None
+        if path is not None and path.is_file():
+            return path
+        if corpus is None:
+            return None
+        raise ModelLoadError(f"no lookup corpus is shipped for {target.path.name}; give one by path "
+                             "(train-draft writes lookup_corpus.npz in its --work-dir)")
+    path = Path(corpus)
+    if not path.is_file():
+        raise ModelLoadError(f"the lookup corpus {corpus} is not a file")
+    return path

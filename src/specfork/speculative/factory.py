@@ -9,6 +9,8 @@ from pathlib import Path
 from specfork.engine.llm_engine import LLMEngine
 from specfork.errors import SpecforkError
 from specfork.loading.eagle3 import check_eagle3_head
+from specfork.loading.resolve import resolve_corpus
+from specfork.speculative.corpus import LookupCorpus, load_corpus
 from specfork.speculative.draft_loading import (
     check_draft_vocabulary,
     draft_spec,
@@ -27,12 +29,14 @@ logger = logging.getLogger(__name__)
 
 def build_speculative_step(engine: LLMEngine) -> SpeculativeStep:
     config = engine.config
+    corpus = _lookup_corpus(engine) if config.prompt_lookup else None
     if config.drafter == "ngram":
-        proposer = NgramProposer(min_n=config.ngram_min, max_n=config.ngram_max)
+        proposer = NgramProposer(min_n=config.ngram_min, max_n=config.ngram_max, corpus=corpus)
     else:
         proposer = _proposer(engine, draft_spec(config, engine.loaded))
         if config.lookup_first_n:
-            proposer = LookupFirstProposer(proposer, min_n=config.lookup_first_n, max_n=config.ngram_max)
+            proposer = LookupFirstProposer(proposer, min_n=config.lookup_first_n, max_n=config.ngram_max,
+                                           corpus=corpus)
     auto_k = None
     if config.auto_k:
         from specfork.config import K_MAX
@@ -42,6 +46,15 @@ def build_speculative_step(engine: LLMEngine) -> SpeculativeStep:
         draft_s = 0.0 if config.drafter == "ngram" else proposer.draft_step_seconds()
         auto_k = AutoK(StepCosts(draft_s, verify))
     return SpeculativeStep(engine.runner, proposer, k=config.k_max, max_model_len=engine.max_model_len, auto_k=auto_k)
+
+
+def _lookup_corpus(engine: LLMEngine) -> LookupCorpus | None:
+    path = resolve_corpus(engine.config.lookup_corpus, engine.loaded.location)
+    if path is None:
+        return None
+    corpus = load_corpus(path, engine.loaded.arch.vocab_size)
+    logger.info("prompt lookup also searches %s (%d tokens of the target's responses)", path, len(corpus))
+    return corpus
 
 
 def _proposer(engine: LLMEngine, spec) -> DraftModelProposer | Eagle3Proposer:

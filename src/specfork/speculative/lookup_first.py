@@ -1,7 +1,8 @@
 """Prompt lookup first, the draft elsewhere (SD): where the context's last n tokens occurred
 earlier, propose what followed them (:func:`specfork.speculative.ngram.ngram_lookup`, n from
-``max_n`` down to ``min_n``); every other sequence of the round is drafted by the wrapped
-proposer (a draft model or an EAGLE-3 head).
+``max_n`` down to ``min_n``), else, with a corpus, what followed them in the target's earlier
+responses (:mod:`specfork.speculative.corpus`); every other sequence of the round is drafted by
+the wrapped proposer (a draft model or an EAGLE-3 head).
 
 Why: on code and on answers that quote their prompt the target copies whole spans, which a
 lookup proposes exactly and a small draft often misses; elsewhere the draft still proposes.
@@ -20,25 +21,27 @@ from __future__ import annotations
 import torch
 
 from specfork.engine.sequence import Sequence
-from specfork.speculative.ngram import ngram_lookup
+from specfork.speculative.corpus import LookupCorpus
+from specfork.speculative.ngram import lookup
 from specfork.speculative.proposer import Proposal, Proposer
 
 
 class LookupFirstProposer:
-    def __init__(self, draft: Proposer, *, min_n: int, max_n: int) -> None:
+    def __init__(self, draft: Proposer, *, min_n: int, max_n: int, corpus: LookupCorpus | None = None) -> None:
         self.draft = draft
-        self.min_n, self.max_n = min_n, max_n
+        self.min_n, self.max_n, self.corpus = min_n, max_n, corpus
         self.feature_layers = draft.feature_layers
 
     def observe_features(self, seq: Sequence, first_position: int, features: torch.Tensor) -> None:
         self.draft.observe_features(seq, first_position, features)
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
-        tokens = [ngram_lookup(s.token_ids, min_n=self.min_n, max_n=self.max_n, k=k)
-                  for s, k in zip(seqs, num_tokens, strict=True)]
+        found = [lookup(s.token_ids, k, min_n=self.min_n, max_n=self.max_n, corpus=self.corpus)
+                 for s, k in zip(seqs, num_tokens, strict=True)]
+        tokens = [t for t, _ in found]
         rest = [i for i, (t, k) in enumerate(zip(tokens, num_tokens, strict=True)) if not t and k > 0]
         drafted_rows = set(rest)
-        sources = ["lookup" if t else "draft" if i in drafted_rows else None for i, t in enumerate(tokens)]
+        sources = [source or ("draft" if i in drafted_rows else None) for i, (_, source) in enumerate(found)]
         if not rest:
             return Proposal(tokens, None, sources)
         drafted = self.draft.propose([seqs[i] for i in rest], [num_tokens[i] for i in rest])

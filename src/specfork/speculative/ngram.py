@@ -1,11 +1,14 @@
 """Prompt-lookup drafting: find the most recent earlier occurrence of the last n tokens in the
-prompt and output so far, and propose the tokens that followed it. No model needed."""
+prompt and output so far, and propose the tokens that followed it; where there is none, look the
+last tokens up in a corpus of the target's earlier responses, if one is loaded
+(:mod:`specfork.speculative.corpus`). No model needed."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from specfork.engine.sequence import Sequence
+from specfork.speculative.corpus import LookupCorpus
 from specfork.speculative.proposer import Proposal, StatelessProposer
 
 
@@ -33,13 +36,25 @@ def ngram_lookup(tokens: list[int], *, min_n: int, max_n: int, k: int) -> list[i
     return []
 
 
+def lookup(tokens: list[int], k: int, *, min_n: int, max_n: int,
+           corpus: LookupCorpus | None = None) -> tuple[list[int], str | None]:
+    """(proposal, source): prompt lookup's proposal ("lookup"), else the corpus's ("corpus"),
+    else ([], None)."""
+    found = ngram_lookup(tokens, min_n=min_n, max_n=max_n, k=k)
+    if found:
+        return found, "lookup"
+    if corpus is not None and k > 0:
+        found = corpus.propose(tokens, k)
+        if found:
+            return found, "corpus"
+    return [], None
+
+
 class NgramProposer(StatelessProposer):
-    def __init__(self, *, min_n: int, max_n: int) -> None:
-        self.min_n, self.max_n = min_n, max_n
+    def __init__(self, *, min_n: int, max_n: int, corpus: LookupCorpus | None = None) -> None:
+        self.min_n, self.max_n, self.corpus = min_n, max_n, corpus
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
-        tokens = [
-            ngram_lookup(s.token_ids, min_n=self.min_n, max_n=self.max_n, k=k)
-            for s, k in zip(seqs, num_tokens, strict=True)
-        ]
-        return Proposal(tokens, None)
+        found = [lookup(s.token_ids, k, min_n=self.min_n, max_n=self.max_n, corpus=self.corpus)
+                 for s, k in zip(seqs, num_tokens, strict=True)]
+        return Proposal([t for t, _ in found], None, [source for _, source in found])

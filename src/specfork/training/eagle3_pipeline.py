@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 def train_eagle3(job: TrainDraftJob, command: str = "") -> dict:
     """Run the whole job; returns the provenance written next to the head."""
-    llm, examples, started, data_seconds = target_responses(job)
+    llm, examples, started, data_seconds, corpus = target_responses(job)
     target = llm.engine.loaded
     e = job.eagle3
     init = initial_head(e.init_head, target) if e.init_head else None
@@ -94,6 +94,7 @@ def train_eagle3(job: TrainDraftJob, command: str = "") -> dict:
                  "hidden_size": config.arch.hidden_size, "matmul_dtype": str(trainer.autocast or torch.float32)},
         "draft_vocab": draft_vocab_record(vocab, target_vocab=config.arch.vocab_size),
         "examples": {"train": len(trainer.train), "held_out": len(trainer.held_out)},
+        "lookup_corpus": corpus,
         "response_tokens": sum(len(x.response_ids) for x in examples),
         "train_steps": trainer.step,
         "first_loss": sum(r["loss"] for r in history[:tail]) / len(history[:tail]),

@@ -26,6 +26,8 @@ from specfork.training.trainer import (
 
 logger = logging.getLogger(__name__)
 
+LOOKUP_CORPUS = "lookup_corpus.npz"  # under --work-dir: the target's responses, for --lookup-corpus
+
 
 def generate_data(job: TrainDraftJob, llm) -> list:
     d = job.data
@@ -46,15 +48,28 @@ def generate_data(job: TrainDraftJob, llm) -> list:
 
 
 def target_responses(job: TrainDraftJob):
-    """Set the threads, load the target and generate (or resume) its responses: (the target's
-    LLM, the examples, the job's start time, the seconds data generation took)."""
+    """Set the threads, load the target, generate (or resume) its responses and write them as the
+    lookup corpus: (the target's LLM, the examples, the job's start time, the seconds data
+    generation took, the corpus's record for the provenance)."""
     if job.threads:
         torch.set_num_threads(job.threads)
     started = time.time()
     llm = target_llm(job)
     t0 = time.time()
     examples = generate_data(job, llm)
-    return llm, examples, started, time.time() - t0
+    corpus = write_lookup_corpus(job.work_dir / LOOKUP_CORPUS, examples, llm.engine.loaded.arch.vocab_size)
+    return llm, examples, started, time.time() - t0, corpus
+
+
+def write_lookup_corpus(path: Path, examples: list, vocab_size: int) -> dict:
+    """The target's responses (each distinct prompt's once) as a corpus for prompt lookup
+    (``--lookup-corpus``, speculative/corpus.py)."""
+    from specfork.speculative.corpus import save_corpus
+
+    responses = {tuple(e.prompt_ids): e.response_ids for e in examples}
+    tokens = save_corpus(path, list(responses.values()), vocab_size)
+    logger.info("lookup corpus: %d response tokens written to %s (use it with --lookup-corpus)", tokens, path)
+    return {"path": str(path), "tokens": tokens}
 
 
 def target_llm(job: TrainDraftJob):
@@ -100,7 +115,7 @@ def train_draft(job: TrainDraftJob, command: str = "") -> dict:
         from specfork.training.eagle3_pipeline import train_eagle3
 
         return train_eagle3(job, command)
-    llm, examples, started, data_seconds = target_responses(job)
+    llm, examples, started, data_seconds, corpus = target_responses(job)
     tokenizer = llm.tokenizer
     target = llm.engine.loaded
     pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
@@ -123,6 +138,7 @@ def train_draft(job: TrainDraftJob, command: str = "") -> dict:
         "arch": asdict(job.arch),
         "train": asdict(job.train),
         "examples": {"train": len(trainer.train), "held_out": len(trainer.held_out)},
+        "lookup_corpus": corpus,
         "response_tokens": sum(len(e.response_ids) for e in examples),
         "train_steps": trainer.step,
         "first_loss": sum(r["loss"] for r in first) / len(first),

@@ -1,0 +1,108 @@
+"""Corpus lookup: prompt lookup's second source. Where the context's last n tokens (n = 8, 6, 4, 3,
+longest first) occur in a corpus of the target's own earlier responses, propose the tokens that
+followed them there.
+
+Why: the target says the same things in the same words across requests (code idioms, phrasings of
+its answers), so a context that matched one of its responses to the training prompts is often
+continued the same way. The corpus is written by ``train-draft`` from the target's greedy
+responses to ShareGPT's train split (``save_corpus``), never from evaluation prompts.
+
+The index: for each n, a 32-bit hash of the n tokens before every corpus position, sorted
+(numpy), so a lookup is a binary search; a hash match is confirmed against the tokens themselves,
+so a collision never proposes a wrong continuation. Proposals depend on the context alone, so
+they are deterministic like prompt lookup's, and verification keeps SD exact.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from specfork.errors import SpecforkError
+
+NGRAM_LENGTHS = (8, 6, 4, 3)  # matched longest first
+SEPARATOR = -1  # between two sequences of the corpus: no n-gram and no proposal crosses it
+MAX_CANDIDATES = 8  # hash matches checked per n before giving up on that n
+_MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _hash_windows(tokens: np.ndarray, n: int) -> np.ndarray:
+    """[len(tokens) - n + 1] uint32: the hash of tokens[i : i + n] for every i."""
+    count = len(tokens) - n + 1
+    h = np.zeros(count, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for j in range(n):
+            h = (h ^ tokens[j : j + count].astype(np.uint64)) * _MULTIPLIER
+    return (h >> np.uint64(32)).astype(np.uint32)
+
+
+class LookupCorpus:
+    """``tokens``: int32, sequences separated by ``SEPARATOR``."""
+
+    def __init__(self, tokens: np.ndarray) -> None:
+        self.tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+        self.index: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        separators = np.concatenate([[0], np.cumsum(self.tokens == SEPARATOR)])
+        for n in NGRAM_LENGTHS:
+            if len(self.tokens) <= n:
+                continue
+            ends = np.arange(n, len(self.tokens))  # the position each window's next token is at
+            # a window and its next token hold no separator
+            usable = separators[ends + 1] == separators[ends - n]
+            hashes = _hash_windows(self.tokens[:-1], n)[usable]
+            ends = ends[usable].astype(np.int32)
+            order = np.argsort(hashes, kind="stable")  # equal hashes keep corpus order
+            self.index[n] = (hashes[order], ends[order])
+
+    def __len__(self) -> int:
+        return int(np.count_nonzero(self.tokens != SEPARATOR))
+
+    def propose(self, context: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the first corpus occurrence of the context's longest
+        matching suffix n-gram (n in ``NGRAM_LENGTHS``); [] when none matches.
+
+        Example: corpus [5, 6, 7, 8, 9], context [.., 6, 7, 8], k = 2 -> [9] (n = 3; the corpus ends)."""
+        if k <= 0:
+            return []
+        for n, (hashes, ends) in self.index.items():
+            if len(context) < n:
+                continue
+            suffix = np.asarray(context[-n:], dtype=np.int32)
+            h = _hash_windows(suffix, n)[0]
+            lo = int(np.searchsorted(hashes, h, side="left"))
+            hi = min(int(np.searchsorted(hashes, h, side="right")), lo + MAX_CANDIDATES)
+            for end in ends[lo:hi]:
+                end = int(end)
+                if np.array_equal(self.tokens[end - n : end], suffix):
+                    follow = self.tokens[end : end + k]
+                    stop = np.flatnonzero(follow == SEPARATOR)
+                    return follow[: stop[0] if stop.size else k].tolist()
+        return []
+
+
+def save_corpus(path: Path, sequences: list[list[int]], vocab_size: int) -> int:
+    """Write ``sequences`` (token ids) as a corpus file; returns its token count."""
+    parts = []
+    for seq in sequences:
+        if seq:
+            parts.extend((np.asarray(seq, dtype=np.int32), np.array([SEPARATOR], dtype=np.int32)))
+    tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez_compressed(tmp, tokens=tokens, vocab_size=np.int64(vocab_size))
+    tmp.replace(path)
+    return int(np.count_nonzero(tokens != SEPARATOR))
+
+
+def load_corpus(path: Path, vocab_size: int) -> LookupCorpus:
+    """The corpus in ``path``, refused unless it was written for a vocabulary of ``vocab_size``."""
+    try:
+        with np.load(path) as data:
+            tokens, saved_vocab = data["tokens"], int(data["vocab_size"])
+    except (OSError, KeyError, ValueError) as e:
+        raise SpecforkError(f"cannot read the lookup corpus {path}: {e}") from e
+    if saved_vocab != vocab_size:
+        raise SpecforkError(f"the lookup corpus {path} was written for a vocabulary of {saved_vocab} tokens; "
+                            f"the target has {vocab_size}")
+    return LookupCorpus(tokens)
