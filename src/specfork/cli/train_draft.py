@@ -17,7 +17,9 @@ DESCRIPTION = (
     "prompts reports the mean accepted length. With --kind eagle3 it trains an EAGLE-3 head "
     "instead: one decoder layer reading the target's hidden states, trained with training-time "
     "test on features captured from the target. Everything is kept under --work-dir, so "
-    "running the same command again resumes an interrupted run."
+    "running the same command again resumes an interrupted run, and a run with a larger "
+    "--num-prompts in the same work dir answers and prefills only the new prompts. The target's "
+    "responses are also written there as lookup_corpus.npz, for SD's --lookup-corpus."
 )
 
 
