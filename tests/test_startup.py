@@ -255,7 +255,10 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 def test_first_contact_commands(embedded):
     r = _cli("models")
     assert r.returncode == 0 and r.stdout.splitlines()[0] == f"smollm2-135m\t{embedded}"
-    assert "default draft" in r.stdout and r.stdout.split("default draft\t")[1].strip().endswith(".gguf")
+    lines = r.stdout.splitlines()
+    assert lines[1].startswith("  default draft\tsmollm2-135m-eagle3\t")
+    assert lines[2].startswith("  draft\tsmollm2-135m-draft\t") and lines[2].endswith(".gguf")
+    assert lines[3].startswith("  lookup corpus\tsmollm2-135m-corpus\t") and lines[3].endswith(".npz")
     from specfork.layers import cpu_kernels
 
     if cpu_kernels.kernels() is not None:  # built by install.sh: a second build is instant

@@ -7,15 +7,22 @@ from pathlib import Path
 
 from specfork.errors import SpecforkError
 
-HELP = "list the model aliases and shipped drafts, with their file paths"
+HELP = "list the model aliases, shipped drafts and lookup corpora, with their file paths"
 DESCRIPTION = (
-    "Print each model alias (usable as --model NAME) with the file it stands for, and the "
-    "drafts shipped with specfork (used by --mode sd|ssd when --draft is not given)."
+    "Print each model alias (usable as --model NAME) with the file it stands for, the "
+    "drafts shipped with specfork (used by --mode sd|ssd when --draft is not given) and the "
+    "corpus of the target's responses that SD's prompt lookup searches (--lookup-corpus)."
 )
 
 
 def run(args: argparse.Namespace) -> int:
-    from specfork.loading.resolve import ALIASES, SHIPPED_DRAFTS, resolve_checkpoint, shipped_drafts_dir
+    from specfork.loading.resolve import (
+        ALIASES,
+        SHIPPED_CORPORA,
+        SHIPPED_DRAFTS,
+        resolve_checkpoint,
+        shipped_drafts_dir,
+    )
 
     for alias in ALIASES:
         try:
@@ -29,4 +36,7 @@ def run(args: argparse.Namespace) -> int:
                 for rank, draft in enumerate(present):  # the first is the default (for SSD: the first model)
                     role = "default draft" if rank == 0 else "draft"
                     print(f"  {role}\t{Path(draft).stem}\t{shipped_drafts_dir() / draft}")
+        for target, corpus in SHIPPED_CORPORA.items():
+            if where.endswith(target) and (shipped_drafts_dir() / corpus).exists():
+                print(f"  lookup corpus\t{Path(corpus).stem}\t{shipped_drafts_dir() / corpus}")
     return 0
