@@ -171,8 +171,9 @@ def _acceptance_lines(report: dict) -> list[str]:
     sources = [f"* {_label(r)}, {r['dataset']}: {source_summary(r['by_source'])}"
                for r in report["results"] if r.get("by_source")]
     if sources:
-        out += ["", "Rounds by proposal source (lookup: a repeated n-gram proposed; draft: the draft or head did; "
-                "share of rounds, accepted drafts per round, accepted / proposed):", *sources]
+        out += ["", "Rounds by proposal source (lookup: a repeated n-gram proposed; corpus: the lookup corpus did; "
+                "draft: the draft or head did; share of rounds, accepted drafts per round, accepted / proposed):",
+                *sources]
     return out
 
 
