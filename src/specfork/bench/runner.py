@@ -144,18 +144,16 @@ def _cell_settings(mode: str, s: BenchSettings) -> dict:
     if mode != "ar":
         keep |= {"k"}
     shown = {}
+    config = Config(model=s.model, **_engine_options(mode, s)) if mode in ("sd", "ngram") else None
     if mode == "sd":  # the settings the engine runs with (its defaults resolved)
-        config = Config(model=s.model, **_engine_options(mode, s))
         shown = {"draft_confidence": config.head_confidence, "lookup_first": config.lookup_first_n}
         keep |= {name for name, value in shown.items() if value}
-    if mode in ("sd", "ngram"):
-        config = Config(model=s.model, **_engine_options(mode, s))
-        if config.prompt_lookup:  # which corpus the lookup searches, by name ("none" for none)
-            from specfork.loading.resolve import resolve_checkpoint, resolve_corpus
+    if config is not None and config.prompt_lookup:  # which corpus the lookup searches, by name ("none" for none)
+        from specfork.loading.resolve import resolve_checkpoint, resolve_corpus
 
-            corpus = resolve_corpus(config.lookup_corpus, resolve_checkpoint(s.model))
-            shown["lookup_corpus"] = corpus.stem if corpus is not None else "none"
-            keep |= {"lookup_corpus"}
+        corpus = resolve_corpus(config.lookup_corpus, resolve_checkpoint(s.model))
+        shown["lookup_corpus"] = corpus.stem if corpus is not None else "none"
+        keep |= {"lookup_corpus"}
     if mode == "ssd":
         keep |= {"fan_out", "backup"} | ({"ssd_drafter"} if s.ssd_drafter != "process" else set())
     if s.tensor_parallel_size != 1:

@@ -18,17 +18,18 @@ DESCRIPTION = (
 def run(args: argparse.Namespace) -> int:
     from specfork.loading.resolve import (
         ALIASES,
-        SHIPPED_CORPORA,
         SHIPPED_DRAFTS,
         resolve_checkpoint,
+        resolve_corpus,
         shipped_drafts_dir,
     )
 
     for alias in ALIASES:
         try:
-            where = str(resolve_checkpoint(alias).path)
+            location = resolve_checkpoint(alias)
+            where = str(location.path)
         except SpecforkError as e:
-            where = f"unavailable: {e}"
+            location, where = None, f"unavailable: {e}"
         print(f"{alias}\t{where}")
         for target, drafts in SHIPPED_DRAFTS.items():
             if where.endswith(target):
@@ -36,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
                 for rank, draft in enumerate(present):  # the first is the default (for SSD: the first model)
                     role = "default draft" if rank == 0 else "draft"
                     print(f"  {role}\t{Path(draft).stem}\t{shipped_drafts_dir() / draft}")
-        for target, corpus in SHIPPED_CORPORA.items():
-            if where.endswith(target) and (shipped_drafts_dir() / corpus).exists():
-                print(f"  lookup corpus\t{Path(corpus).stem}\t{shipped_drafts_dir() / corpus}")
+        corpus = resolve_corpus(None, location) if location is not None else None
+        if corpus is not None:
+            print(f"  lookup corpus\t{corpus.stem}\t{corpus}")
     return 0
