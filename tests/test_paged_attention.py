@@ -81,13 +81,14 @@ def test_native_paged_attention_reads_each_querys_own_keys():
 @needs_kernel
 @pytest.mark.parametrize("head_dim, heads, kv_heads, dtype", [
     (64, 9, 3, torch.float32), (64, 9, 3, torch.float16), (128, 4, 1, torch.float32), (20, 9, 3, torch.float32),
-    (64, 4, 4, torch.float32)])
+    (64, 4, 4, torch.float32), (64, 8, 4, torch.float16)])
 def test_every_instruction_set_gives_identical_attention(head_dim, heads, kv_heads, dtype):
-    """The portable loops, AVX2 (one query and head at a time) and AVX-512 (two at a time, paired
-    when they see the same number of keys) run the same float operations in the same order: bit
-    for bit equal, for decode queries, verification windows whose queries pair and do not, keys
-    past the last whole block of 8 (the exp tail), scores far below the max (the exp floor), and
-    without GQA (pairs across queries)."""
+    """The portable loops, AVX2 (one query and head at a time) and AVX-512 (two or, with heads of
+    64, up to four at a time when they see the same number of keys; three as four with one
+    repeated) run the same float operations in the same order: bit for bit equal, for decode
+    queries, verification windows whose queries group and do not, keys past the last whole block
+    of 8 (the exp tail) and of 4, scores far below the max (the exp floor), GQA groups of 3 and 2,
+    and without GQA (groups across queries)."""
     gen = torch.Generator().manual_seed(head_dim + heads)
     num_blocks, bs = 80, 16
     cache = torch.randn(2, num_blocks, bs, kv_heads, head_dim, generator=gen).to(dtype)
