@@ -200,10 +200,12 @@ void run_layer(const Step& st, const LayerWeights& w, const float* x, const floa
   barrier();
   project(st, w.gate_up, rounded, m.gate_up);
   barrier();
-  const Range elements = share(s.T * s.inter);  // silu(gate) * up, split by element
-  parts::silu_mul(m.gate_up, m.act, s.inter, elements.begin, elements.end);
-  barrier();
-  rounded = round_for(st, w.down, m.act, rows);
+  // silu(gate) * up and its rounding for down, split by down's (row, group) pairs: a thread rounds
+  // exactly the elements it has just computed, so the two stages need no barrier between them.
+  const Range pairs = share(s.T * w.down.groups);
+  parts::silu_mul(m.gate_up, m.act, s.inter, pairs.begin * w.down.group, pairs.end * w.down.group);
+  rounded = parts::rounded_rows_in(m.rounded, w.down, s.T);
+  parts::round_rows(w.down, m.act, rounded, pairs.begin, pairs.end);
   barrier();
   project(st, w.down, rounded, y);
   barrier();
