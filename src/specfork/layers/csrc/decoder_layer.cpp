@@ -116,7 +116,7 @@ struct Step {
 // Round rows r of x for projection w (into the scratch's rounded rows).
 parts::RoundedRows round_for(const Step& st, const parts::QuantWeight& w, const float* x, Range r) {
   const auto rows = parts::rounded_rows_in(st.scratch->rounded, w, st.s.T);
-  parts::round_rows(w, x, rows, r.begin * w.groups, r.end * w.groups);
+  parts::round_rows(st.isa, w, x, rows, r.begin * w.groups, r.end * w.groups);
   return rows;
 }
 
@@ -169,11 +169,8 @@ void run_layer(const Step& st, const LayerWeights& w, const float* x, const floa
     const float* c = st.cos + t * s.D;
     const float* sn = st.sin + t * s.D;
     std::memcpy(head.data(), v, s.D * sizeof(float));
-    for (int64_t j = 0; j < s.D; ++j) {
-      const float p = head[j] * c[j];
-      const float q = head[(j + half) % s.D] * sn[j];
-      v[j] = p + q;
-    }
+    for (int64_t j = 0; j < half; ++j) v[j] = head[j] * c[j] + head[j + half] * sn[j];
+    for (int64_t j = half; j < s.D; ++j) v[j] = head[j] * c[j] + head[j - half] * sn[j];
     if (hd >= s.Hq) {
       const int64_t kvh = hd - s.Hq;
       const float* value = m.qkv + t * width + (s.Hq + s.Hkv + kvh) * s.D;
@@ -205,7 +202,7 @@ void run_layer(const Step& st, const LayerWeights& w, const float* x, const floa
   const Range pairs = share(s.T * w.down.groups);
   parts::silu_mul(m.gate_up, m.act, s.inter, pairs.begin * w.down.group, pairs.end * w.down.group);
   rounded = parts::rounded_rows_in(m.rounded, w.down, s.T);
-  parts::round_rows(w.down, m.act, rounded, pairs.begin, pairs.end);
+  parts::round_rows(st.isa, w.down, m.act, rounded, pairs.begin, pairs.end);
   barrier();
   project(st, w.down, rounded, y);
   barrier();

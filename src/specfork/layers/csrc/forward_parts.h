@@ -36,8 +36,9 @@ struct RoundedRows {
 // 32-bit words that rounded_rows_in needs for M rows of w's inputs.
 int64_t rounded_words(const QuantWeight& w, int64_t M);
 RoundedRows rounded_rows_in(float* words, const QuantWeight& w, int64_t M);
-// Round the (row, group) pairs i0..i1-1 (pair i: row i / groups, group i % groups) of x [M, K].
-void round_rows(const QuantWeight& w, const float* x, const RoundedRows& r, int64_t i0, int64_t i1);
+// Round the (row, group) pairs i0..i1-1 (pair i: row i / groups, group i % groups) of x [M, K],
+// the same on every instruction set isa.
+void round_rows(int64_t isa, const QuantWeight& w, const float* x, const RoundedRows& r, int64_t i0, int64_t i1);
 // y[:, 32 t0 .. 32 t1) (row stride w.n_out) = rounded rows @ W^T (+ bias), on instruction set isa.
 void project_tiles(int64_t isa, const QuantWeight& w, const RoundedRows& r, int64_t M, float* y, int64_t t0,
                    int64_t t1);

@@ -161,6 +161,7 @@ namespace {
 
 const char* const kIsaNames[] = {"portable", "avx2", "avx512", "avx512-vnni"};
 constexpr int64_t kNumIsas = 4;
+constexpr int64_t kIsaAvx2 = 1;  // this and every later set has AVX2
 
 bool isa_supported(int64_t isa) {
 #if defined(__x86_64__)
@@ -365,32 +366,115 @@ RoundedRows rounded_rows_in(float* words, const QuantWeight& w, int64_t M) {
   return {words, reinterpret_cast<int32_t*>(stats), stats + M * w.groups, stats + 2 * M * w.groups};
 }
 
+namespace {
+
+// What rounding one group of inputs needs: the largest magnitude, whether all are finite, and their
+// float sum. The sum runs in kLanes fixed lanes (input kk adds into lane kk % kLanes, in order)
+// folded by a fixed tree, so it is the same on every instruction set, for any batch or split.
+constexpr int64_t kLanes = 8;
+struct GroupStats {
+  float amax, sum;
+  bool finite;
+};
+
+float fold_lanes(const float* s) { return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7])); }
+
+GroupStats group_stats(const float* xg, int64_t n) {
+  float sums[kLanes] = {}, amax = 0.0f;
+  bool finite = true;
+  for (int64_t kk = 0; kk < n; ++kk) {
+    amax = std::max(amax, std::fabs(xg[kk]));
+    sums[kk % kLanes] += xg[kk];
+    finite = finite && std::isfinite(xg[kk]);
+  }
+  return {amax, fold_lanes(sums), finite};
+}
+
+// Rounded to the nearest integer (ties to even, as nearbyint in the default rounding mode).
+template <typename Q>
+int32_t round_group(const float* xg, int64_t n, float inv, Q* qg) {
+  int32_t qsum = 0;
+  for (int64_t kk = 0; kk < n; ++kk) {
+    qg[kk] = static_cast<Q>(std::nearbyint(xg[kk] * inv));
+    qsum += qg[kk];
+  }
+  return qsum;
+}
+
+#if defined(__x86_64__)
+// group_stats and round_group<int16_t> of n inputs (a multiple of kLanes) in AVX2 registers, the
+// lanes one register (GCC leaves the plain loops scalar or folds per group): the same float adds in
+// each lane and the same tree, a maximum and integer sums that no order changes.
+__attribute__((target("avx2"))) GroupStats group_stats_avx2(const float* xg, int64_t n) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), big = _mm256_set1_ps(std::numeric_limits<float>::max());
+  __m256 top = _mm256_setzero_ps(), sum = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+  for (int64_t kk = 0; kk < n; kk += kLanes) {
+    const __m256 v = _mm256_loadu_ps(xg + kk), a = _mm256_andnot_ps(sign, v);
+    top = _mm256_max_ps(a, top);
+    sum = _mm256_add_ps(sum, v);
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, big, _CMP_NLE_UQ));  // inf or NaN
+  }
+  // the tree of fold_lanes: lanes j + 4, then j + 2, then j + 1
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return {_mm_cvtss_f32(m), _mm_cvtss_f32(s), _mm256_movemask_ps(bad) == 0};
+}
+
+__attribute__((target("avx2"))) int32_t round_group_avx2(const float* xg, int64_t n, float inv, int16_t* qg) {
+  const __m256 scale = _mm256_set1_ps(inv);
+  __m256i total = _mm256_setzero_si256();
+  for (int64_t kk = 0; kk < n; kk += kLanes) {
+    const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xg + kk), scale));
+    total = _mm256_add_epi32(total, q);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qg + kk),
+                     _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)));
+  }
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+  return _mm_cvtsi128_si32(t);
+}
+#endif
+
+}  // namespace
+
 // Per row and group: the activations rounded to int16 (or int8), their scale, the sum of the
-// rounded values and the sum of the float inputs (sequential, so the same for any batch). A group
-// holding inf or NaN gets a NaN scale, so it propagates.
-void round_rows(const QuantWeight& w, const float* x, const RoundedRows& r, int64_t i0, int64_t i1) {
+// rounded values and the sum of the float inputs (GroupStats). A group holding inf or NaN gets a
+// NaN scale, so it propagates.
+void round_rows(int64_t isa, const QuantWeight& w, const float* x, const RoundedRows& r, int64_t i0, int64_t i1) {
   const int64_t K = w.K, groups = w.groups, group = w.group;
+#if defined(__x86_64__)
+  const bool avx2 = isa >= kIsaAvx2 && group % kLanes == 0;
+#else
+  const bool avx2 = false;
+#endif
   const auto run = [&](auto* xq, float top) {
+    using Q = std::remove_pointer_t<decltype(xq)>;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t m = i / groups, g = i % groups;
       const float* xg = x + m * K + g * group;
-      float amax = 0.0f, total = 0.0f;
-      bool finite = true;
-      for (int64_t kk = 0; kk < group; ++kk) {
-        amax = std::max(amax, std::fabs(xg[kk]));
-        total += xg[kk];
-        finite = finite && std::isfinite(xg[kk]);
-      }
-      const float inv = amax > 0.0f && finite ? top / amax : 0.0f;
-      auto* qg = xq + m * K + g * group;
-      int32_t qsum = 0;
-      for (int64_t kk = 0; kk < group; ++kk) {
-        qg[kk] = static_cast<std::remove_pointer_t<decltype(xq)>>(std::nearbyint(xg[kk] * inv));
-        qsum += qg[kk];
+      Q* qg = xq + m * K + g * group;
+      GroupStats st;
+      int32_t qsum;
+#if defined(__x86_64__)
+      if (avx2) {
+        st = group_stats_avx2(xg, group);
+        const float inv = st.amax > 0.0f && st.finite ? top / st.amax : 0.0f;
+        if constexpr (std::is_same_v<Q, int16_t>) qsum = round_group_avx2(xg, group, inv, qg);
+        else qsum = round_group(xg, group, inv, qg);
+      } else
+#endif
+      {
+        st = group_stats(xg, group);
+        qsum = round_group(xg, group, st.amax > 0.0f && st.finite ? top / st.amax : 0.0f, qg);
       }
       r.xqsum[i] = qsum;
-      r.xscale[i] = finite ? amax / top : std::numeric_limits<float>::quiet_NaN();
-      r.xsum[i] = total;
+      r.xscale[i] = st.finite ? st.amax / top : std::numeric_limits<float>::quiet_NaN();
+      r.xsum[i] = st.sum;
     }
   };
   if (w.format & kInt8Inputs) run(static_cast<int8_t*>(r.xq), 127.0f);
@@ -424,7 +508,7 @@ torch::Tensor quant_linear_impl(const torch::Tensor& x_in, const torch::Tensor& 
   const float* xp = x.data_ptr<float>();
   // Rows in parallel once there are many (batched decoding); each row's arithmetic is unchanged.
   at::parallel_for(0, M * w.groups, 8 * w.groups,
-                   [&](int64_t i0, int64_t i1) { parts::round_rows(w, xp, rows, i0, i1); });
+                   [&](int64_t i0, int64_t i1) { parts::round_rows(isa, w, xp, rows, i0, i1); });
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, w.tiles, 4, [&](int64_t t0, int64_t t1) { parts::project_tiles(isa, w, rows, M, yp, t0, t1); });
   return y;
