@@ -181,8 +181,8 @@ void run_layer(const Step& st, const LayerWeights& w, const float* x, const floa
     }
   }
   barrier();
-  const Range items = share(static_cast<int64_t>(st.plan->items.size()));
-  parts::attention_items(st.isa, *st.plan, m.qkv, width, cache, items.begin, items.end);
+  const auto items = parts::share_items(*st.plan, omp_get_thread_num(), omp_get_num_threads());
+  parts::attention_items(st.isa, *st.plan, m.qkv, width, cache, items.first, items.second);
   barrier();
   parts::merge_attention(*st.plan, m.attn, rows.begin, rows.end);
   rounded = round_for(st, w.o, m.attn, rows);

@@ -7,6 +7,7 @@
 #include "kernels.h"
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace parts {
@@ -71,8 +72,12 @@ struct AttentionPlan {
   float scale;
   std::vector<int64_t> chunk_base;  // query t's (chunk, head) results start at chunk_base[t] * Hq
   std::vector<AttentionItem> items;
+  std::vector<int64_t> cost_end;    // the estimated cost of items 0..i (queries x (keys + a constant))
   std::vector<float> partial;
 };
+// Items [begin, end) of thread `me` of `threads`: contiguous runs of about equal estimated cost (a
+// short last chunk counts for little), so no thread waits on another with twice its keys.
+std::pair<int64_t, int64_t> share_items(const AttentionPlan& plan, int64_t me, int64_t threads);
 // tables/seq_of/pos_of must outlive the plan (it keeps their pointers).
 AttentionPlan plan_attention(const torch::Tensor& tables, const torch::Tensor& seq_of, const torch::Tensor& pos_of,
                              int64_t Hq, int64_t Hkv, int64_t D, int64_t bs);

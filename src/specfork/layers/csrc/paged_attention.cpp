@@ -36,6 +36,7 @@ namespace {
 
 constexpr int64_t kChunk = 128;  // keys per work item
 constexpr int64_t kRun = 8;      // queries of one sequence per work item, at most
+constexpr int64_t kItemCost = 16;  // an item's fixed cost in keys (finding and converting its chunk)
 
 // One call's operands. partial holds, per query, chunk and head, {max, sum of exp, D weighted
 // values}; chunk_base[t] is the first of query t's (chunk, head) entries.
@@ -123,7 +124,7 @@ parts::AttentionPlan parts::plan_attention(const torch::Tensor& tables, const to
   TORCH_CHECK(pos_of.numel() == T, "one sequence index and position per query");
   TORCH_CHECK(Hq % Hkv == 0, "cache/query shapes disagree");
   AttentionPlan plan{T, Hq, Hkv, D, bs, max_blocks, tables.data_ptr<int64_t>(), seq_of.data_ptr<int64_t>(),
-                     pos_of.data_ptr<int64_t>(), 1.0f, std::vector<int64_t>(T + 1, 0), {}, {}};
+                     pos_of.data_ptr<int64_t>(), 1.0f, std::vector<int64_t>(T + 1, 0), {}, {}, {}};
   const int64_t* sp = plan.seq;
   const int64_t* pp = plan.pos;
   // Chunks of query t: its keys 0..pos[t] in chunks of kChunk.
@@ -136,10 +137,27 @@ parts::AttentionPlan parts::plan_attention(const torch::Tensor& tables, const to
     int64_t n_max = pp[t0] + 1;
     for (t1 = t0 + 1; t1 < T && t1 - t0 < kRun && sp[t1] == sp[t0]; ++t1) n_max = std::max(n_max, pp[t1] + 1);
     for (int64_t kvh = 0; kvh < Hkv; ++kvh)
-      for (int64_t first = 0; first < n_max; first += kChunk) plan.items.push_back({t0, t1, kvh, first});
+      for (int64_t first = 0; first < n_max; first += kChunk) {
+        plan.items.push_back({t0, t1, kvh, first});
+        const int64_t cost = (t1 - t0) * (std::min(kChunk, n_max - first) + kItemCost);
+        plan.cost_end.push_back((plan.cost_end.empty() ? 0 : plan.cost_end.back()) + cost);
+      }
   }
   plan.partial.resize(plan.chunk_base[T] * Hq * (D + 2));
   return plan;
+}
+
+std::pair<int64_t, int64_t> parts::share_items(const AttentionPlan& plan, int64_t me, int64_t threads) {
+  // Thread k starts at the first item whose cost midpoint lies at or past k / threads of the total.
+  const auto& end = plan.cost_end;
+  const int64_t total = end.empty() ? 0 : end.back(), n = static_cast<int64_t>(end.size());
+  const auto start = [&](int64_t k) {  // midpoint of item i: (end[i - 1] + end[i]) / 2
+    if (k >= threads) return n;
+    int64_t i = 0;
+    while (i < n && threads * ((i ? end[i - 1] : 0) + end[i]) < 2 * k * total) ++i;
+    return i;
+  };
+  return {start(me), start(me + 1)};
 }
 
 void parts::attention_items(int64_t isa, AttentionPlan& plan, const float* q, int64_t q_row, const torch::Tensor& cache,
