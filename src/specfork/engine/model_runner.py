@@ -14,6 +14,9 @@ from specfork.layers.linear import set_batch_invariant
 from specfork.layers.quantized import QuantizedLinear
 from specfork.models.llama import LlamaForCausalLM
 
+NATIVE_ATTENTION_CHUNK = 128  # keys per work item of the native attention kernel (kChunk)
+NATIVE_PREFILL_PARTIAL_BYTES = 64 << 20  # a prefill pass takes the native path up to this much partial state
+
 
 class ModelRunner:
     def __init__(
@@ -107,7 +110,8 @@ class ModelRunner:
         dev = self.device
         ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
-        native = decode and attn_mask is None and self.native_decode_attention
+        native = attn_mask is None and self.native_decode_attention and (
+            decode or self._native_prefill_fits(q_lens, ctx))
         seq_index = mask = pad_index = unpad_index = None
         if native:
             seq_index = torch.tensor([b for b, n in enumerate(q_lens) for _ in range(n)], dtype=torch.long, device=dev)
@@ -128,6 +132,14 @@ class ModelRunner:
             positions=pos_t,
         )
         return ids_t, pos_t, meta
+
+    def _native_prefill_fits(self, q_lens: list[int], ctx: list[int]) -> bool:
+        """Whether a prefill pass may take the native path (paged-attention kernel, one native
+        call): it keeps every query's per-chunk partial results (csrc/paged_attention.cpp), which
+        grow with queries x context, so a long prompt's pass stays on SDPA past a bound."""
+        cfg = self.model.config
+        chunks = sum(n * -(-c // NATIVE_ATTENTION_CHUNK) for n, c in zip(q_lens, ctx, strict=True))
+        return chunks * cfg.num_heads * (cfg.head_dim + 2) * 4 <= NATIVE_PREFILL_PARTIAL_BYTES
 
     def _sdpa_mask(self, attn_mask, starts, q_lens, ctx, k_max) -> torch.Tensor | None:
         """[B, 1, q_max, k_max] visibility for the padded SDPA path (None: every query sees every

@@ -5,9 +5,10 @@ The cache of one layer is a tensor ``[2, num_blocks, block_size, num_kv_heads, h
 rounded to it when written and read back exactly as float32). A sequence owns a list of blocks (its block table); token ``i`` of the
 sequence lives in block ``block_table[i // block_size]`` at offset ``i % block_size``.
 
-The native CPU kernel (``csrc/paged_attention.cpp``) serves decode and verification steps:
-it reads keys and values through the block table without copying and is batch-invariant by
-construction. The reference backend gathers each sequence's blocks and runs
+The native CPU kernel (``csrc/paged_attention.cpp``) serves decode and verification steps and
+prefill passes (up to a bound on its per-chunk partial results, ``ModelRunner``): it reads keys
+and values through the block table without copying and is batch-invariant by construction, so a
+prompt prefilled in one pass gives what it gives fed token by token. The reference backend gathers each sequence's blocks and runs
 ``torch.nn.functional.scaled_dot_product_attention`` with an explicit boolean mask, so causal
 prefill, decode, multi-token verification windows and tree masks are all the same code path:
 the caller states which keys each query may see.
@@ -39,8 +40,9 @@ class AttentionMetadata:
     pad_index: torch.Tensor | None  # [B * q_max] int64 into the flat T tokens; None if no padding
     unpad_index: torch.Tensor | None  # [T] int64 into the padded B * q_max grid
     batch_invariant: bool = False  # use paged_attention_invariant (bit-identical whatever the batch)
-    # Native CPU decode kernel (causal, reads the paged cache directly): set for decode/verify
-    # steps without an explicit mask when the kernel is available.
+    # Native CPU kernel (causal, reads the paged cache directly), and the model's one native call
+    # where it has one: set for passes without an explicit mask when the kernel is available
+    # (decode, verification, and prefill passes within ModelRunner's bound).
     native_decode: bool = False
     seq_index: torch.Tensor | None = None  # [T] int64: the sequence (row of block_tables) of each token
     positions: torch.Tensor | None = None  # [T] int64: each token's position (it sees keys 0..position)

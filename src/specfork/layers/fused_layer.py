@@ -1,4 +1,4 @@
-"""One native call per decoder layer for decode and verification steps.
+"""One native call per decoder layer for decode and verification steps (and prefill passes).
 
 Driven from Python, a decode step of a small model spends about as long in per-op overhead (some
 25 tensor ops and 8 module calls per layer) as in the work itself. ``csrc/decoder_layer.cpp`` runs
