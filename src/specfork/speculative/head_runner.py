@@ -26,12 +26,6 @@ from specfork.speculative.draft_runner import Drafted, DraftState, last_rows
 
 logger = logging.getLogger(__name__)
 
-# Rows per sequence up to which a catch-up runs the one-call native layer (the decode path) rather
-# than the module path with SDPA. After a few rounds of prompt lookup a head catches up on 9-20
-# verified positions at once; warm, on Zen 5, the native layer took 247 / 269 / 382 us for 9 / 12 /
-# 20 rows against 416 / 417 / 585 us on the module path (and 835 against 957 us at 40 rows).
-NATIVE_CATCH_UP_ROWS = 32
-
 
 @dataclass
 class HeadState(DraftState):
@@ -100,8 +94,8 @@ class HeadRunner:
         feeds = [contexts[i][states[i].clean + 1 :] for i in todo]
         starts = [states[i].clean for i in todo]
         hidden = self.head.project(torch.cat([states[i].take_features() for i in todo]))
-        decode = max(len(f) for f in feeds) <= NATIVE_CATCH_UP_ROWS  # longer: a prompt, a prefill pass
-        out = self._rows([states[i] for i in todo], starts, feeds, hidden, decode=decode)
+        # a prefill pass: the native path where its bound allows (a prompt's catch-up may not)
+        out = self._rows([states[i] for i in todo], starts, feeds, hidden, decode=False)
         for row, i in zip(last_rows(feeds), todo, strict=True):
             st = states[i]
             st.clean = st.num_cached_tokens = len(contexts[i]) - 1
