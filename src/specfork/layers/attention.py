@@ -8,7 +8,8 @@ sequence lives in block ``block_table[i // block_size]`` at offset ``i % block_s
 The native CPU kernel (``csrc/paged_attention.cpp``) serves decode and verification steps and
 prefill passes (up to a bound on its per-chunk partial results, ``ModelRunner``): it reads keys
 and values through the block table without copying and is batch-invariant by construction, so a
-prompt prefilled in one pass gives what it gives fed token by token. The reference backend gathers each sequence's blocks and runs
+prompt prefilled in one pass gives what it gives fed token by token. The reference backend
+gathers each sequence's blocks and runs
 ``torch.nn.functional.scaled_dot_product_attention`` with an explicit boolean mask, so causal
 prefill, decode, multi-token verification windows and tree masks are all the same code path:
 the caller states which keys each query may see.
