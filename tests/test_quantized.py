@@ -244,7 +244,7 @@ def test_a_prompt_prefilled_in_one_pass_equals_the_prompt_fed_token_by_token(qua
     """Prefill takes the native path (the batch-invariant attention kernel, one native call), so
     a prompt's logits and KV cache are the same, bit for bit, whether it is prefilled in one pass,
     fed one token at a time, or prefilled beside another prompt; a pass whose per-chunk partial
-    results would pass the bound takes SDPA instead."""
+    results would pass the bound runs the kernel in slices of its rows, again bit for bit."""
     import specfork.engine.model_runner as model_runner
     from specfork.engine.sequence import Sequence
 
@@ -252,7 +252,7 @@ def test_a_prompt_prefilled_in_one_pass_equals_the_prompt_fed_token_by_token(qua
     engine, runner = llm.engine, llm.engine.runner
     prompt, other = [1, 17, 33, 5, 99, 201, 4, 8, 3, 3, 7, 60, 2], [2, 9, 40, 41]
     seqs = [Sequence(-1 - i, list(p), SamplingParams(temperature=0.0), torch.Generator())
-            for i, p in enumerate((prompt, prompt, prompt, other))]
+            for i, p in enumerate((prompt, prompt, prompt, other, prompt))]
     n = len(prompt)
     for seq in seqs:
         engine.block_manager.grow(seq, len(seq.token_ids))
@@ -261,23 +261,25 @@ def test_a_prompt_prefilled_in_one_pass_equals_the_prompt_fed_token_by_token(qua
         return [c[:, seq.block_table].flatten(1, 2)[:, :n] for c in runner.kv_caches]
 
     try:
-        _, _, meta = runner.prepare([seqs[0]], [0], [prompt])
-        assert meta.native_decode  # prefill on the native path
+        meta = runner.prepare([seqs[0]], [0], [prompt])[2]
+        assert meta.native_decode and meta.one_call and meta.native_slices is None
         whole = runner.forward([seqs[0]], [0], [prompt], list(range(n)), decode=False)
         stepped = [runner.forward([seqs[1]], [i], [[t]], [0], decode=i > 0) for i, t in enumerate(prompt)]
         beside = runner.forward([seqs[2], seqs[3]], [0, 0], [prompt, other], list(range(n)), decode=False)
         assert torch.equal(whole, torch.cat(stepped)) and torch.equal(whole, beside)
-        for a, b in zip(cached(seqs[0]), cached(seqs[1]), strict=True):
-            assert torch.equal(a, b)
-        bound = model_runner.NATIVE_PREFILL_PARTIAL_BYTES
-        model_runner.NATIVE_PREFILL_PARTIAL_BYTES = 0
+        bound = model_runner.NATIVE_PARTIAL_BYTES
+        cfg = runner.model.config
+        model_runner.NATIVE_PARTIAL_BYTES = 3 * cfg.num_heads * (cfg.head_dim + 2) * 4  # 3 queries' partials a call
         try:
-            assert not runner.prepare([seqs[0]], [0], [prompt])[2].native_decode
-            sdpa = runner.forward([seqs[0]], [0], [prompt], list(range(n)), decode=False)
+            meta = runner.prepare([seqs[4]], [0], [prompt])[2]
+            assert meta.native_decode and not meta.one_call and len(meta.native_slices) > 2
+            sliced = runner.forward([seqs[4]], [0], [prompt], list(range(n)), decode=False)
         finally:
-            model_runner.NATIVE_PREFILL_PARTIAL_BYTES = bound
-        torch.testing.assert_close(sdpa, whole, atol=1e-3, rtol=1e-3)  # close (int16 rounding amplifies), not equal
-        assert not torch.equal(sdpa, whole)
+            model_runner.NATIVE_PARTIAL_BYTES = bound
+        assert torch.equal(whole, sliced)
+        for other_seq in (seqs[1], seqs[4]):
+            for a, b in zip(cached(seqs[0]), cached(other_seq), strict=True):
+                assert torch.equal(a, b)
     finally:
         for seq in seqs:
             engine.block_manager.free(seq)

@@ -15,7 +15,7 @@ from specfork.layers.quantized import QuantizedLinear
 from specfork.models.llama import LlamaForCausalLM
 
 NATIVE_ATTENTION_CHUNK = 128  # keys per work item of the native attention kernel (kChunk)
-NATIVE_PREFILL_PARTIAL_BYTES = 64 << 20  # a prefill pass takes the native path up to this much partial state
+NATIVE_PARTIAL_BYTES = 64 << 20  # most per-chunk partial results one native attention call keeps
 
 
 class ModelRunner:
@@ -110,8 +110,8 @@ class ModelRunner:
         dev = self.device
         ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
-        native = attn_mask is None and self.native_decode_attention and (
-            decode or self._native_prefill_fits(q_lens, ctx))
+        native = attn_mask is None and self.native_decode_attention
+        slices = None if decode or not native else self._native_slices(positions)
         seq_index = mask = pad_index = unpad_index = None
         if native:
             seq_index = torch.tensor([b for b, n in enumerate(q_lens) for _ in range(n)], dtype=torch.long, device=dev)
@@ -130,16 +130,26 @@ class ModelRunner:
             native_decode=native,
             seq_index=seq_index,
             positions=pos_t,
+            native_slices=slices,
+            one_call=native and slices is None,
         )
         return ids_t, pos_t, meta
 
-    def _native_prefill_fits(self, q_lens: list[int], ctx: list[int]) -> bool:
-        """Whether a prefill pass may take the native path (paged-attention kernel, one native
-        call): it keeps every query's per-chunk partial results (csrc/paged_attention.cpp), which
-        grow with queries x context, so a long prompt's pass stays on SDPA past a bound."""
+    def _native_slices(self, positions: list[int]) -> list[tuple[int, int]] | None:
+        """Row ranges of a prefill pass for separate native attention calls: the kernel keeps a
+        partial result per query, chunk of keys and head (csrc/paged_attention.cpp), which grows
+        with queries x context, so a long pass runs in slices of at most NATIVE_PARTIAL_BYTES
+        (None: the pass fits one call, and the model may run it in its one native call)."""
         cfg = self.model.config
-        chunks = sum(n * -(-c // NATIVE_ATTENTION_CHUNK) for n, c in zip(q_lens, ctx, strict=True))
-        return chunks * cfg.num_heads * (cfg.head_dim + 2) * 4 <= NATIVE_PREFILL_PARTIAL_BYTES
+        per_chunk = cfg.num_heads * (cfg.head_dim + 2) * 4
+        slices, start, size = [], 0, 0
+        for row, p in enumerate(positions):
+            need = (p // NATIVE_ATTENTION_CHUNK + 1) * per_chunk
+            if size + need > NATIVE_PARTIAL_BYTES and row > start:
+                slices.append((start, row))
+                start, size = row, 0
+            size += need
+        return None if not slices else slices + [(start, len(positions))]
 
     def _sdpa_mask(self, attn_mask, starts, q_lens, ctx, k_max) -> torch.Tensor | None:
         """[B, 1, q_max, k_max] visibility for the padded SDPA path (None: every query sees every

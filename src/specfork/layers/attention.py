@@ -6,8 +6,8 @@ rounded to it when written and read back exactly as float32). A sequence owns a 
 sequence lives in block ``block_table[i // block_size]`` at offset ``i % block_size``.
 
 The native CPU kernel (``csrc/paged_attention.cpp``) serves decode and verification steps and
-prefill passes (up to a bound on its per-chunk partial results, ``ModelRunner``): it reads keys
-and values through the block table without copying and is batch-invariant by construction, so a
+prefill passes (a long pass in several calls over its rows, ``ModelRunner``): it reads keys and
+values through the block table without copying and is batch-invariant by construction, so a
 prompt prefilled in one pass gives what it gives fed token by token. The reference backend
 gathers each sequence's blocks and runs
 ``torch.nn.functional.scaled_dot_product_attention`` with an explicit boolean mask, so causal
@@ -41,12 +41,16 @@ class AttentionMetadata:
     pad_index: torch.Tensor | None  # [B * q_max] int64 into the flat T tokens; None if no padding
     unpad_index: torch.Tensor | None  # [T] int64 into the padded B * q_max grid
     batch_invariant: bool = False  # use paged_attention_invariant (bit-identical whatever the batch)
-    # Native CPU kernel (causal, reads the paged cache directly), and the model's one native call
-    # where it has one: set for passes without an explicit mask when the kernel is available
-    # (decode, verification, and prefill passes within ModelRunner's bound).
+    # Native CPU kernel (causal, reads the paged cache directly): set for passes without an
+    # explicit mask when the kernel is available.
     native_decode: bool = False
     seq_index: torch.Tensor | None = None  # [T] int64: the sequence (row of block_tables) of each token
     positions: torch.Tensor | None = None  # [T] int64: each token's position (it sees keys 0..position)
+    # Row ranges the native kernel runs as separate calls, so that the per-chunk partial results it
+    # keeps per query stay bounded (a long prefill pass); None: one call. Rows are independent.
+    native_slices: list[tuple[int, int]] | None = None
+    # The model may run its layers in one native call (models/llama.py): native, in one slice.
+    one_call: bool = False
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -59,7 +63,10 @@ def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping
 def paged_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     if meta.native_decode:
         kernels = native_kernels()
-        return kernels.paged_attention_decode(q, cache, meta.block_tables, meta.seq_index, meta.positions, scale)
+        if meta.native_slices is None:
+            return kernels.paged_attention_decode(q, cache, meta.block_tables, meta.seq_index, meta.positions, scale)
+        return torch.cat([kernels.paged_attention_decode(q[a:b], cache, meta.block_tables, meta.seq_index[a:b],
+                                                         meta.positions[a:b], scale) for a, b in meta.native_slices])
     if meta.batch_invariant:
         return paged_attention_invariant(q, cache, meta, scale)
     return paged_attention_sdpa(q, cache, meta, scale)

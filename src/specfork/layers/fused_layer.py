@@ -5,9 +5,9 @@ Driven from Python, a decode step of a small model spends about as long in per-o
 a whole Llama decoder layer (norms, the four quantised projections, rotary, KV-cache write, paged
 attention, SiLU gating, residuals) in one call and one OpenMP parallel region (the threads meet at
 barriers between stages), with the same kernels and element-wise arithmetic as the module path, so
-its output is bit-identical to it. It serves steps that use the native
-paged-attention kernel (``AttentionMetadata.native_decode``) on layers whose projections all run
-the native quantised kernel; anything else takes the module path.
+its output is bit-identical to it. It serves passes that the native paged-attention kernel runs
+in one call (``AttentionMetadata.one_call``) on layers whose projections all run the native
+quantised kernel; anything else takes the module path.
 
 ``FusedDecoderStack`` goes one step further for a model whose every layer fuses: all layers, the
 final norm and the LM head in one call and one parallel region (``decoder_stack_decode``, the same

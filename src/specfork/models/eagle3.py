@@ -73,7 +73,7 @@ class Eagle3Head(nn.Module):
         """The head's output at each position, [T, d] (before the final norm)."""
         rope = self.rotary.at(positions)
         a = torch.cat([self.input_layernorm(self.embed_tokens(next_ids)), self.hidden_norm(hidden)], dim=-1)
-        if meta.native_decode and self.fused_decode is not None:
+        if meta.one_call and self.fused_decode is not None:
             return self.fused_decode(hidden, rope, kv_caches[0], meta, attn_input=a)
         h = hidden + self.self_attn(a, rope, kv_caches[0], meta)
         return h + self.mlp(self.post_attention_layernorm(h))

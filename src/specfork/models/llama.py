@@ -93,7 +93,7 @@ class DecoderLayer(nn.Module):
             )
 
     def forward(self, x, rope, cache, meta):
-        if meta.native_decode and self.fused_decode is not None:
+        if meta.one_call and self.fused_decode is not None:
             return self.fused_decode(x, rope, cache, meta)
         x = x + self.self_attn(self.input_layernorm(x), rope, cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -142,7 +142,7 @@ class LlamaForCausalLM(nn.Module):
         changes nothing that is computed."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary.at(positions)
-        if meta.native_decode and self.fused_stack is not None:
+        if meta.one_call and self.fused_stack is not None:
             hidden, features, head_logits = self.fused_stack(x, rope, kv_caches, meta, capture, logits)
             if logits and head_logits.shape[0] != hidden.shape[0]:  # the call had no native LM head
                 head_logits = self.compute_logits(hidden)
