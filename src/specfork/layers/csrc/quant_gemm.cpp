@@ -440,6 +440,26 @@ __attribute__((target("avx2"))) int32_t round_group_avx2(const float* xg, int64_
 }
 #endif
 
+// group_stats, or its AVX2 twin where avx2 (n a multiple of kLanes).
+GroupStats stats_of(bool avx2, const float* xg, int64_t n) {
+#if defined(__x86_64__)
+  if (avx2) return group_stats_avx2(xg, n);
+#endif
+  (void)avx2;
+  return group_stats(xg, n);
+}
+
+// round_group, or for int16 its AVX2 twin where avx2 (n a multiple of kLanes).
+template <typename Q>
+int32_t rounded_group(bool avx2, const float* xg, int64_t n, float inv, Q* qg) {
+#if defined(__x86_64__)
+  if constexpr (std::is_same_v<Q, int16_t>)
+    if (avx2) return round_group_avx2(xg, n, inv, qg);
+#endif
+  (void)avx2;
+  return round_group(xg, n, inv, qg);
+}
+
 }  // namespace
 
 // Per row and group: the activations rounded to int16 (or int8), their scale, the sum of the
@@ -447,32 +467,14 @@ __attribute__((target("avx2"))) int32_t round_group_avx2(const float* xg, int64_
 // NaN scale, so it propagates.
 void round_rows(int64_t isa, const QuantWeight& w, const float* x, const RoundedRows& r, int64_t i0, int64_t i1) {
   const int64_t K = w.K, groups = w.groups, group = w.group;
-#if defined(__x86_64__)
-  const bool avx2 = isa >= kIsaAvx2 && group % kLanes == 0;
-#else
-  const bool avx2 = false;
-#endif
+  const bool avx2 = isa >= kIsaAvx2 && group % kLanes == 0;  // isa is 0 off x86
   const auto run = [&](auto* xq, float top) {
-    using Q = std::remove_pointer_t<decltype(xq)>;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t m = i / groups, g = i % groups;
       const float* xg = x + m * K + g * group;
-      Q* qg = xq + m * K + g * group;
-      GroupStats st;
-      int32_t qsum;
-#if defined(__x86_64__)
-      if (avx2) {
-        st = group_stats_avx2(xg, group);
-        const float inv = st.amax > 0.0f && st.finite ? top / st.amax : 0.0f;
-        if constexpr (std::is_same_v<Q, int16_t>) qsum = round_group_avx2(xg, group, inv, qg);
-        else qsum = round_group(xg, group, inv, qg);
-      } else
-#endif
-      {
-        st = group_stats(xg, group);
-        qsum = round_group(xg, group, st.amax > 0.0f && st.finite ? top / st.amax : 0.0f, qg);
-      }
-      r.xqsum[i] = qsum;
+      auto* qg = xq + m * K + g * group;
+      const GroupStats st = stats_of(avx2, xg, group);
+      r.xqsum[i] = rounded_group(avx2, xg, group, st.amax > 0.0f && st.finite ? top / st.amax : 0.0f, qg);
       r.xscale[i] = st.finite ? st.amax / top : std::numeric_limits<float>::quiet_NaN();
       r.xsum[i] = st.sum;
     }
