@@ -58,7 +58,7 @@ def test_features_are_the_layer_inputs_and_change_no_logit(tiny_checkpoints):
 def test_fused_decode_path_captures_the_same_features_bit_for_bit():
     llm = LLM("smollm2-135m", max_model_len=256, kv_cache_tokens=1024)
     runner = llm.engine.runner
-    if not runner.native_decode_attention or runner.model.layers[0].fused_decode is None:
+    if not runner.native_attention_available or runner.model.layers[0].fused_decode is None:
         pytest.skip("the fused native decoder layer is not available on this machine")
     ids = llm.encode("def fibonacci(n):\n    ")
     layers = default_feature_layers(30)

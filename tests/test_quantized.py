@@ -262,7 +262,7 @@ def test_a_prompt_prefilled_in_one_pass_equals_the_prompt_fed_token_by_token(qua
 
     try:
         meta = runner.prepare([seqs[0]], [0], [prompt])[2]
-        assert meta.native_decode and meta.one_call and meta.native_slices is None
+        assert meta.native_attention and meta.one_call and meta.native_slices is None
         whole = runner.forward([seqs[0]], [0], [prompt], list(range(n)), decode=False)
         stepped = [runner.forward([seqs[1]], [i], [[t]], [0], decode=i > 0) for i, t in enumerate(prompt)]
         beside = runner.forward([seqs[2], seqs[3]], [0, 0], [prompt, other], list(range(n)), decode=False)
@@ -272,7 +272,7 @@ def test_a_prompt_prefilled_in_one_pass_equals_the_prompt_fed_token_by_token(qua
         model_runner.NATIVE_PARTIAL_BYTES = 3 * cfg.num_heads * (cfg.head_dim + 2) * 4  # 3 queries' partials a call
         try:
             meta = runner.prepare([seqs[4]], [0], [prompt])[2]
-            assert meta.native_decode and not meta.one_call and len(meta.native_slices) > 2
+            assert meta.native_attention and not meta.one_call and len(meta.native_slices) > 2
             sliced = runner.forward([seqs[4]], [0], [prompt], list(range(n)), decode=False)
         finally:
             model_runner.NATIVE_PARTIAL_BYTES = bound

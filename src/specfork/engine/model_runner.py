@@ -42,7 +42,7 @@ class ModelRunner:
         set_batch_invariant(model, deterministic)
         dtype = model.embed_tokens.weight.dtype
         kv_dtype = kv_dtype or default_kv_dtype(model, device)
-        self.native_decode_attention = (
+        self.native_attention_available = (
             device.type == "cpu" and dtype == torch.float32 and kv_dtype in (torch.float32, torch.float16)
             and native_kernels() is not None
         )
@@ -110,7 +110,7 @@ class ModelRunner:
         dev = self.device
         ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
-        native = attn_mask is None and self.native_decode_attention
+        native = attn_mask is None and self.native_attention_available
         slices = None if decode or not native else self._native_slices(positions)
         seq_index = mask = pad_index = unpad_index = None
         if native:
@@ -127,7 +127,7 @@ class ModelRunner:
             pad_index=pad_index,
             unpad_index=unpad_index,
             batch_invariant=batch_invariant,
-            native_decode=native,
+            native_attention=native,
             seq_index=seq_index,
             positions=pos_t,
             native_slices=slices,

@@ -43,7 +43,7 @@ class AttentionMetadata:
     batch_invariant: bool = False  # use paged_attention_invariant (bit-identical whatever the batch)
     # Native CPU kernel (causal, reads the paged cache directly): set for passes without an
     # explicit mask when the kernel is available.
-    native_decode: bool = False
+    native_attention: bool = False
     seq_index: torch.Tensor | None = None  # [T] int64: the sequence (row of block_tables) of each token
     positions: torch.Tensor | None = None  # [T] int64: each token's position (it sees keys 0..position)
     # Row ranges the native kernel runs as separate calls, so that the per-chunk partial results it
@@ -61,7 +61,7 @@ def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping
 
 
 def paged_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    if meta.native_decode:
+    if meta.native_attention:
         kernels = native_kernels()
         if meta.native_slices is None:
             return kernels.paged_attention_decode(q, cache, meta.block_tables, meta.seq_index, meta.positions, scale)
