@@ -78,9 +78,19 @@ def test_a_hash_collision_never_proposes_a_wrong_continuation(monkeypatch):
     """Every window hashing alike: the tokens themselves decide."""
     monkeypatch.setattr(corpus_module, "_hash_windows",
                         lambda tokens, n: np.zeros(len(tokens) - n + 1, dtype=np.uint32))
+    monkeypatch.setattr(corpus_module, "_hash_window", lambda tokens: 0)
     corpus = LookupCorpus(np.array(flat([[1, 2, 3, 4], [5, 6, 7, 8]])))
     assert corpus.propose([5, 6, 7], 1) == [8]
     assert corpus.propose([6, 6, 7], 1) == []
+
+
+def test_a_lookup_hashes_its_window_as_the_index_does():
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, 2**31 - 1, size=64, dtype=np.int64).astype(np.int32)
+    for n in NGRAM_LENGTHS:
+        index_hashes = corpus_module._hash_windows(tokens, n)
+        for i in (0, 17, 64 - n):
+            assert corpus_module._hash_window(tokens[i : i + n].tolist()) == int(index_hashes[i])
 
 
 def test_the_file_round_trips_and_another_vocabulary_is_refused(tmp_path):

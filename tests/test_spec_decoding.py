@@ -199,6 +199,10 @@ def test_sd_config_errors(pair):
 def test_ngram_lookup_examples():
     assert ngram_lookup([1, 2, 3, 9, 1, 2], min_n=1, max_n=3, k=3) == [3, 9, 1]
     assert ngram_lookup([1, 2, 3], min_n=1, max_n=3, k=3) == []
+    # a copy that runs into the context's end goes on from its own start (the period repeats)
+    assert ngram_lookup([1, 2, 3, 9, 1, 2], min_n=1, max_n=3, k=5) == [3, 9, 1, 2, 3]
+    assert ngram_lookup([0, 5, 6, 5, 6], min_n=1, max_n=4, k=3) == [5, 6, 5]
+    assert ngram_lookup([4, 4], min_n=1, max_n=4, k=3) == [4, 4, 4]
     # the longest n-gram wins over a more recent shorter match
     assert ngram_lookup([7, 8, 5, 6, 1, 8, 9, 7, 8], min_n=1, max_n=2, k=2) == [5, 6]
     assert ngram_lookup([7, 8, 5, 6, 1, 8, 9, 7, 8], min_n=1, max_n=1, k=2) == [9, 7]
@@ -207,11 +211,15 @@ def test_ngram_lookup_examples():
 
 
 def _ngram_lookup_by_definition(tokens, min_n, max_n, k):
-    """The latest earlier window equal to the longest suffix (max_n down to min_n), by brute force."""
+    """The latest earlier window equal to the longest suffix (max_n down to min_n), by brute force;
+    its continuation copied token by token from the context extended by the copy itself."""
     for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
         for start in range(len(tokens) - 1 - n, -1, -1):
             if tokens[start : start + n] == tokens[len(tokens) - n :]:
-                return tokens[start + n : start + n + k]
+                extended = list(tokens)
+                for i in range(k):
+                    extended.append(extended[start + n + i])
+                return extended[len(tokens) :]
     return []
 
 

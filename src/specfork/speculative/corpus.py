@@ -24,7 +24,9 @@ from specfork.errors import SpecforkError
 NGRAM_LENGTHS = (8, 6, 4, 3)  # matched longest first
 SEPARATOR = -1  # between two sequences of the corpus: no n-gram and no proposal crosses it
 MAX_CANDIDATES = 8  # hash matches checked per n before giving up on that n
-_MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)
+_MULTIPLIER_INT = 0x9E3779B97F4A7C15
+_MULTIPLIER = np.uint64(_MULTIPLIER_INT)
+_MASK64 = (1 << 64) - 1
 
 
 def _hash_windows(tokens: np.ndarray, n: int) -> np.ndarray:
@@ -35,6 +37,15 @@ def _hash_windows(tokens: np.ndarray, n: int) -> np.ndarray:
         for j in range(n):
             h = (h ^ tokens[j : j + count].astype(np.uint64)) * _MULTIPLIER
     return (h >> np.uint64(32)).astype(np.uint32)
+
+
+def _hash_window(tokens: list[int]) -> int:
+    """``_hash_windows`` of one window of non-negative ids, in Python integers: a lookup hashes
+    four short windows, where numpy's per-call cost was most of a lookup's time."""
+    h = 0
+    for t in tokens:
+        h = ((h ^ t) * _MULTIPLIER_INT) & _MASK64
+    return h >> 32
 
 
 class LookupCorpus:
@@ -68,16 +79,14 @@ class LookupCorpus:
         for n, (hashes, ends) in self.index.items():
             if len(context) < n:
                 continue
-            suffix = np.asarray(context[-n:], dtype=np.int32)
-            h = _hash_windows(suffix, n)[0]
-            lo = int(np.searchsorted(hashes, h, side="left"))
-            hi = min(int(np.searchsorted(hashes, h, side="right")), lo + MAX_CANDIDATES)
-            for end in ends[lo:hi]:
-                end = int(end)
-                if np.array_equal(self.tokens[end - n : end], suffix):
-                    follow = self.tokens[end : end + k]
-                    stop = np.flatnonzero(follow == SEPARATOR)
-                    return follow[: stop[0] if stop.size else k].tolist()
+            suffix = context[-n:]
+            h = np.uint32(_hash_window(suffix))
+            lo = int(hashes.searchsorted(h, side="left"))
+            hi = min(int(hashes.searchsorted(h, side="right")), lo + MAX_CANDIDATES)
+            for end in ends[lo:hi].tolist():
+                if self.tokens[end - n : end].tolist() == suffix:
+                    follow = self.tokens[end : end + k].tolist()
+                    return follow[: follow.index(SEPARATOR)] if SEPARATOR in follow else follow
         return []
 
 

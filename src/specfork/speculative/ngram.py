@@ -13,10 +13,13 @@ from specfork.speculative.proposer import Proposal, StatelessProposer
 
 
 def ngram_lookup(tokens: list[int], *, min_n: int, max_n: int, k: int) -> list[int]:
-    """Up to ``k`` tokens that followed the latest earlier match of the longest suffix n-gram
-    (n from ``max_n`` down to ``min_n``).
+    """``k`` tokens that followed the latest earlier match of the longest suffix n-gram (n from
+    ``max_n`` down to ``min_n``). Where they run into the context's end, the copy goes on from
+    its own start: a match that close means the context repeats with the period between the
+    match and the suffix (``()()()``, a run of one token), and the copy continues the repetition.
 
-    Example: tokens [1, 2, 3, 9, 1, 2], n = 2 matches [1, 2] at 0 and proposes [3, 9, 1].
+    Examples: tokens [1, 2, 3, 9, 1, 2], n = 2 matches [1, 2] at 0 and proposes [3, 9, 1] for
+    k = 3, [3, 9, 1, 2, 3] for k = 5; tokens [5, 6, 5, 6] propose [5, 6, 5] for k = 3.
     """
     if k <= 0 or len(tokens) < 2:
         return []
@@ -32,7 +35,9 @@ def ngram_lookup(tokens: list[int], *, min_n: int, max_n: int, k: int) -> list[i
             match = match[arr[match - back] == arr[length - 1 - back]]
         if match.size:
             start = int(match[-1]) + 1
-            return arr[start : start + k].tolist()
+            found = arr[start : start + k].tolist()
+            period = length - start  # the tokens from the match to the context's end: all of found if short
+            return found + [found[i % period] for i in range(len(found), k)]
     return []
 
 
