@@ -43,11 +43,11 @@ def test_a_repeated_ngram_is_looked_up_and_the_rest_drafted_with_their_q():
     seqs = [
         _seq(0, [1, 2, 3, 4, 1, 2], 1.0),  # [1, 2] occurred: lookup proposes 3, 4, 1
         _seq(1, [1, 2, 3, 4, 5, 6], 1.0),  # no repeated 2-gram: drafted
-        _seq(2, [5, 1, 5, 1], 0.0),  # greedy lookup: what followed [5, 1], up to the end
+        _seq(2, [5, 1, 5, 1], 0.0),  # greedy lookup: what followed [5, 1], the repetition continued
         _seq(3, [1, 2, 3, 3], 1.0),  # only a 1-gram repeats: below min_n, drafted
     ]
     proposal = proposer.propose(seqs, [3, 2, 3, 1])
-    assert proposal.tokens == [[3, 4, 1], [7, 8], [5, 1], [7]]
+    assert proposal.tokens == [[3, 4, 1], [7, 8], [5, 1, 5], [7]]
     assert draft.asked == [[1, 3]]  # the draft saw only the sequences without a lookup
     assert proposal.probs is not None
     assert torch.equal(proposal.probs[0], torch.eye(V)[[3, 4, 1]])  # a lookup is a one-hot q
@@ -58,7 +58,7 @@ def test_a_repeated_ngram_is_looked_up_and_the_rest_drafted_with_their_q():
 
 def test_only_lookups_or_greedy_drafts_need_no_q():
     proposer = LookupFirstProposer(FixedDraft(), min_n=1, max_n=4)
-    assert proposer.propose([_seq(0, [4, 4], 1.0)], [2]) == Proposal([[4]], None, ["lookup"])
+    assert proposer.propose([_seq(0, [4, 4], 1.0)], [2]) == Proposal([[4, 4]], None, ["lookup"])
     greedy = proposer.propose([_seq(1, [1, 2], 0.0), _seq(2, [3, 3, 5], 0.0)], [2, 0])
     assert greedy.tokens == [[7, 8], []] and greedy.probs is None
     assert greedy.sources == ["draft", None]  # a zero budget is neither looked up nor drafted
