@@ -44,7 +44,7 @@ def _hash_window(tokens: list[int]) -> int:
     four short windows, where numpy's per-call cost was most of a lookup's time."""
     h = 0
     for t in tokens:
-        h = ((h ^ t) * _MULTIPLIER_INT) & _MASK64
+        h = ((h ^ int(t)) * _MULTIPLIER_INT) & _MASK64
     return h >> 32
 
 
