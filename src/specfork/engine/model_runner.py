@@ -14,7 +14,6 @@ from specfork.layers.linear import set_batch_invariant
 from specfork.layers.quantized import QuantizedLinear
 from specfork.models.llama import LlamaForCausalLM
 
-NATIVE_ATTENTION_CHUNK = 128  # keys per work item of the native attention kernel (kChunk)
 NATIVE_PARTIAL_BYTES = 64 << 20  # most per-chunk partial results one native attention call keeps
 
 
@@ -46,6 +45,8 @@ class ModelRunner:
             device.type == "cpu" and dtype == torch.float32 and kv_dtype in (torch.float32, torch.float16)
             and native_kernels() is not None
         )
+        # keys per chunk of the native attention kernel's partial results (sizes prefill slices)
+        self._attention_chunk = native_kernels().attention_chunk() if self.native_attention_available else 0
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -144,7 +145,7 @@ class ModelRunner:
         per_chunk = cfg.num_heads * (cfg.head_dim + 2) * 4
         slices, start, size = [], 0, 0
         for row, p in enumerate(positions):
-            need = (p // NATIVE_ATTENTION_CHUNK + 1) * per_chunk
+            need = (p // self._attention_chunk + 1) * per_chunk
             if size + need > NATIVE_PARTIAL_BYTES and row > start:
                 slices.append((start, row))
                 start, size = row, 0

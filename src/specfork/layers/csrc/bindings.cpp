@@ -13,6 +13,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of float32 rows [..., 2 I] holding gate and up side by side");
   m.def("paged_attention_decode", &paged_attention_decode, "causal paged attention for few queries per sequence");
   m.def("paged_attention_decode_isa", &paged_attention_decode_isa, "paged_attention_decode on a named instruction set (for tests)");
+  m.def("attention_chunk", &attention_chunk, "keys per work item of paged_attention_decode (its partials are per query, chunk and head)");
   m.def("decoder_layer_decode", &decoder_layer_decode, "one Llama decoder layer of a decode/verify step");
   m.def("decoder_stack_decode", &decoder_stack_decode, "every decoder layer, the final norm and the LM head of a decode/verify step");
 }

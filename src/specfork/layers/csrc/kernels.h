@@ -45,6 +45,8 @@ torch::Tensor paged_attention_decode(const torch::Tensor& q, const torch::Tensor
 torch::Tensor paged_attention_decode_isa(const torch::Tensor& q, const torch::Tensor& cache,
                                          const torch::Tensor& block_tables, const torch::Tensor& seq_of,
                                          const torch::Tensor& pos_of, double scale, const std::string& isa);
+// Keys per work item: the kernel keeps a partial result per query, chunk of this many keys and head.
+int64_t attention_chunk();
 
 // decoder_layer.cpp: one Llama decoder layer of a decode or verification step, in one call and one
 // parallel region.

@@ -229,6 +229,8 @@ torch::Tensor attend_on(const torch::Tensor& q_in, const torch::Tensor& cache, c
 
 }  // namespace
 
+int64_t attention_chunk() { return kChunk; }
+
 torch::Tensor paged_attention_decode(const torch::Tensor& q_in,         // [T, Hq, D] float32
                                      const torch::Tensor& cache,        // [2, blocks, bs, Hkv, D] float32 or float16
                                      const torch::Tensor& block_tables, // [B, max_blocks] int64
