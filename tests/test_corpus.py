@@ -191,6 +191,6 @@ def test_the_embedded_model_ships_a_corpus_used_by_default(tmp_path):
     with pytest.raises(ModelLoadError, match="is not a file"):
         resolve_corpus(str(tmp_path / "missing.npz"), embedded)
     with LLM(mode="sd") as llm:
-        assert llm.engine.step_strategy.proposer.corpus is not None
+        assert llm.engine.step_strategy.proposer.lookup.corpus is not None
     with LLM(mode="sd", lookup_corpus="none") as llm:
-        assert llm.engine.step_strategy.proposer.corpus is None
+        assert llm.engine.step_strategy.proposer.lookup.corpus is None

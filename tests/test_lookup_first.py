@@ -99,7 +99,7 @@ def test_sd_on_the_embedded_model_runs_the_measured_settings():
 
     with LLM(mode="sd") as llm:
         proposer = llm.engine.step_strategy.proposer
-        assert isinstance(proposer, LookupFirstProposer) and proposer.min_n == 2
+        assert isinstance(proposer, LookupFirstProposer) and proposer.lookup.min_n == 2
         assert isinstance(proposer.draft, Eagle3Proposer) and proposer.draft.min_confidence == 0.3
 
 

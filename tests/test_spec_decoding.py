@@ -9,7 +9,7 @@ from helpers import assert_greedy_match
 
 from specfork import LLM, ModelLoadError, SamplingParams, SpecforkError
 from specfork.engine.sequence import Sequence
-from specfork.speculative.ngram import NgramProposer, ngram_lookup
+from specfork.speculative.ngram import NgramIndex, NgramProposer, ngram_lookup
 from specfork.speculative.rejection import verify_greedy
 
 PROMPTS = [[1, 5, 9, 13, 2, 7, 30, 31], [1, 44, 3], [1, 8, 8, 8, 8, 8, 8, 8, 8, 20, 21], [1, 60, 61, 62, 63, 64],
@@ -232,6 +232,24 @@ def test_ngram_lookup_equals_its_definition_on_random_contexts():
         for min_n, max_n, k in ((1, 4, 5), (2, 3, 2), (1, 1, 1), (3, 5, 4)):
             assert ngram_lookup(tokens, min_n=min_n, max_n=max_n, k=k) == \
                 _ngram_lookup_by_definition(tokens, min_n, max_n, k), (tokens, min_n, max_n, k)
+
+
+def test_ngram_index_follows_a_growing_context():
+    """The index a sequence keeps from round to round proposes what the definition proposes for
+    the context of every round, however many tokens each round appends."""
+    gen = torch.Generator().manual_seed(6)
+    for trial in range(60):
+        vocab = 2 + trial % 5
+        tokens = torch.randint(0, vocab, (80,), generator=gen).tolist()
+        for min_n, max_n, k in ((1, 4, 5), (2, 3, 2), (3, 5, 4)):
+            index, length = NgramIndex(min_n=min_n, max_n=max_n), 1
+            while length <= len(tokens):
+                context = tokens[:length]
+                assert index.propose(context, k) == _ngram_lookup_by_definition(context, min_n, max_n, k), \
+                    (context, min_n, max_n, k)
+                length += 1 + int(torch.randint(0, 4, (1,), generator=gen))
+    with pytest.raises(ValueError, match="shorter"):
+        index.propose(tokens[:3], 2)
 
 
 def test_verify_greedy():

@@ -1,5 +1,5 @@
 """Prompt lookup first, the draft elsewhere (SD): where the context's last n tokens occurred
-earlier, propose what followed them (:func:`specfork.speculative.ngram.ngram_lookup`, n from
+earlier, propose what followed them (:class:`specfork.speculative.ngram.PromptLookup`, n from
 ``max_n`` down to ``min_n``), else, with a corpus, what followed them in the target's earlier
 responses (:mod:`specfork.speculative.corpus`); every other sequence of the round is drafted by
 the wrapped proposer (a draft model or an EAGLE-3 head).
@@ -22,22 +22,21 @@ import torch
 
 from specfork.engine.sequence import Sequence
 from specfork.speculative.corpus import LookupCorpus
-from specfork.speculative.ngram import lookup
+from specfork.speculative.ngram import PromptLookup
 from specfork.speculative.proposer import Proposal, Proposer
 
 
 class LookupFirstProposer:
     def __init__(self, draft: Proposer, *, min_n: int, max_n: int, corpus: LookupCorpus | None = None) -> None:
         self.draft = draft
-        self.min_n, self.max_n, self.corpus = min_n, max_n, corpus
+        self.lookup = PromptLookup(min_n=min_n, max_n=max_n, corpus=corpus)
         self.feature_layers = draft.feature_layers
 
     def observe_features(self, seq: Sequence, first_position: int, features: torch.Tensor) -> None:
         self.draft.observe_features(seq, first_position, features)
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
-        found = [lookup(s.token_ids, k, min_n=self.min_n, max_n=self.max_n, corpus=self.corpus)
-                 for s, k in zip(seqs, num_tokens, strict=True)]
+        found = [self.lookup.propose(s, k) for s, k in zip(seqs, num_tokens, strict=True)]
         tokens = [t for t, _ in found]
         rest = [i for i, (t, k) in enumerate(zip(tokens, num_tokens, strict=True)) if not t and k > 0]
         drafted_rows = set(rest)
@@ -63,6 +62,7 @@ class LookupFirstProposer:
         self.draft.accepted(seq, num_accepted)
 
     def release(self, seq: Sequence) -> None:
+        self.lookup.release(seq)
         self.draft.release(seq)
 
     def draft_step_seconds(self) -> float:

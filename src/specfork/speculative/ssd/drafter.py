@@ -39,7 +39,7 @@ from specfork.sampling import Draw, sample
 from specfork.sampling_params import SamplingParams
 from specfork.speculative.draft_runner import DraftRunner, DraftState
 from specfork.speculative.head_runner import HeadRunner, HeadState
-from specfork.speculative.ngram import ngram_lookup
+from specfork.speculative.ngram import NgramIndex
 from specfork.speculative.ssd.cache import CachedDraft, SpeculationCache
 from specfork.speculative.ssd.messages import DrafterSettings, SpecReply, SpecRequest
 from specfork.speculative.ssd.tree import (
@@ -61,6 +61,7 @@ class TrunkState(DraftState):
     generator: torch.Generator | None = None
     last_spec: list[int] = field(default_factory=list)
     hit: bool = False
+    lookup: NgramIndex = field(default_factory=lambda: NgramIndex(min_n=1, max_n=4))  # the "fast" backup's
 
     def commit(self, new_tokens: list[int]) -> None:
         """Append the tokens the target committed; KV stays valid for the old history and the
@@ -166,7 +167,7 @@ class DrafterCore:
         vocab = self.drafts.vocab_size
         for req in reqs:
             st = self.states[req.seq_id]
-            tokens = [t for t in ngram_lookup(st.history, min_n=1, max_n=4, k=req.num_tokens) if t < vocab]
+            tokens = [t for t in st.lookup.propose(st.history, req.num_tokens) if t < vocab]
             probs = None
             if not req.params.greedy:
                 probs = torch.zeros(len(tokens), vocab, device=self.device)
