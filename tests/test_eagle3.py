@@ -36,8 +36,30 @@ def _head_logits_paged(head, features, next_ids, split):
     for start, stop, decode in [(0, split, False)] + [(p, p + 1, True) for p in range(split, len(next_ids))]:
         ids, pos, meta = runner.prepare([state], [start], [next_ids[start:stop]], decode=decode)
         with torch.inference_mode():
-            outs.append(head.compute_logits(head(ids, pos, head.project(features[start:stop]), runner.kv_caches, meta)))
+            outs.append(head(ids, pos, None, runner.kv_caches, meta, features=features[start:stop],
+                             logit_rows=range(stop - start))[1])
     return torch.cat(outs)
+
+
+def _head_chain_paged(head, features, next_ids, split):
+    """A prefill of the first ``split`` positions from the target's features (the logits of its
+    last row only), then one decode step per position, from the features and from the head's own
+    output of the step before in turn: (every logits row, every output row, the KV cache)."""
+    runner = ModelRunner(head, num_blocks=8, block_size=4, device=torch.device("cpu"))
+    blocks, state = BlockManager(8, 4), DraftState()
+    blocks.grow(state, len(next_ids))
+    logits, outs = [], []
+    with torch.inference_mode():
+        ids, pos, meta = runner.prepare([state], [0], [next_ids[:split]], decode=False)
+        out, lg = head(ids, pos, None, runner.kv_caches, meta, features=features[:split], logit_rows=[split - 1])
+        logits.append(lg), outs.append(out)
+        for p in range(split, len(next_ids)):
+            ids, pos, meta = runner.prepare([state], [p], [next_ids[p : p + 1]], decode=True)
+            own = (p - split) % 2 == 1
+            out, lg = head(ids, pos, out[-1:] if own else None, runner.kv_caches, meta,
+                           features=None if own else features[p : p + 1], logit_rows=[0])
+            logits.append(lg), outs.append(out)
+    return torch.cat(logits), torch.cat(outs), runner.kv_caches[0].clone()
 
 
 def test_head_in_the_ecosystem_layout_computes_the_eagle3_formula(tiny_target, tmp_path):
@@ -105,7 +127,7 @@ def test_the_proposer_drafts_from_the_targets_features(tiny_target, tmp_path):
             ids.append(token)
 
 
-def test_the_int4_head_runs_the_fused_layer_bit_for_bit_like_its_modules(tiny_target, tmp_path):
+def test_the_int4_head_runs_one_call_and_the_fused_layer_bit_for_bit_like_its_modules(tiny_target, tmp_path):
     from specfork.layers.cpu_kernels import kernels
 
     if kernels() is None:
@@ -113,13 +135,18 @@ def test_the_int4_head_runs_the_fused_layer_bit_for_bit_like_its_modules(tiny_ta
     write_tiny_head(tmp_path / "head", tiny_target, draft_ids=list(range(0, 256, 4)), seed=2)
     target = LLM(str(tiny_target)).engine.loaded
     head = load_eagle3_head(tmp_path / "head", target, device=torch.device("cpu"), quantize_group=32)
-    assert head.fused_decode is not None
+    assert head.fused_decode is not None and head.fused_step is not None
     gen = torch.Generator().manual_seed(1)
     features = torch.randn(9, 3 * 64, generator=gen)
     next_ids = torch.randint(0, 256, (9,), generator=gen).tolist()
-    fused = _head_logits_paged(head, features, next_ids, split=4)
+    one_call = _head_chain_paged(head, features, next_ids, split=4)  # fc to logits in one call
+    head.fused_step = None
+    layer_only = _head_chain_paged(head, features, next_ids, split=4)  # the layer in one call
     head.fused_decode = None
-    assert torch.equal(_head_logits_paged(head, features, next_ids, split=4), fused)
+    modules = _head_chain_paged(head, features, next_ids, split=4)
+    for a, b, c in zip(one_call, layer_only, modules, strict=True):
+        assert torch.equal(a, b) and torch.equal(b, c)
+    assert one_call[0].shape == (1 + 9 - 4, 64)
 
 
 def config_arch(path):

@@ -97,3 +97,44 @@ def fuse_decoder_stack(layers: list[FusedDecodeLayer | None], final_norm: RMSNor
     if any((layer._heads, layer._eps, layer._scale) != (first._heads, first._eps, first._scale) for layer in layers):
         return None
     return FusedDecoderStack(layers, final_norm, lm_head)
+
+
+def _projection(p: QuantizedLinear) -> tuple[list[torch.Tensor], list[int]]:
+    return [p.values, p.scales, p.offsets, p.bias if p.bias is not None else torch.empty(0)], [p.out_features, p.format]
+
+
+class FusedEagle3Step:
+    def __init__(self, layer: FusedDecodeLayer, fc: QuantizedLinear, embedding: torch.Tensor, hidden_norm: RMSNorm,
+                 final_norm: RMSNorm, lm_head: QuantizedLinear) -> None:
+        self._layer = layer
+        self._fc = _projection(fc)
+        self._embedding = embedding
+        self._hidden_norm, self._final_norm = hidden_norm.weight, final_norm.weight
+        self._lm_head = _projection(lm_head)
+
+    def __call__(self, ids: torch.Tensor, hidden: torch.Tensor | None, features: torch.Tensor | None,
+                 rope: RopeTables, cache: torch.Tensor, meta: AttentionMetadata,
+                 logit_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the head's outputs [T, d], the LM head's logits of ``logit_rows`` [R, draft vocab]);
+        the input is ``hidden`` [T, d], or ``features`` [T, 3 d_target] through fc."""
+        layer = self._layer
+        fc_weights, fc_format = self._fc if hidden is None else ([], [])
+        return layer._kernels.eagle3_head_decode(
+            features if hidden is None else hidden, fc_weights, fc_format, ids, self._embedding, self._hidden_norm,
+            self._final_norm, layer._weights, layer._formats, rope.cos, rope.sin_signed, cache, meta.block_tables,
+            meta.seq_index, meta.positions, meta.slot_mapping, *layer._heads, layer._eps, layer._scale,
+            *self._lm_head, logit_rows,
+        )
+
+
+def fuse_eagle3_step(layer: FusedDecodeLayer | None, fc, embedding: torch.Tensor, hidden_norm: RMSNorm,
+                     final_norm: RMSNorm, lm_head) -> FusedEagle3Step | None:
+    """The head's step in one call, where its layer fuses, fc and the LM head are native quantised
+    projections and the embedding and norms are float32 (None elsewhere: the module path)."""
+    if layer is None or not isinstance(fc, QuantizedLinear) or not isinstance(lm_head, QuantizedLinear):
+        return None
+    if embedding.dtype != torch.float32 or embedding.device.type != "cpu":
+        return None
+    if any(n.weight.dtype != torch.float32 or n.eps != layer._eps for n in (hidden_norm, final_norm)):
+        return None
+    return FusedEagle3Step(layer, fc, embedding, hidden_norm, final_norm, lm_head)

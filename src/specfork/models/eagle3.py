@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from specfork.layers.attention import AttentionMetadata
-from specfork.layers.fused_layer import fuse_decoder_layer
+from specfork.layers.fused_layer import fuse_decoder_layer, fuse_eagle3_step
 from specfork.layers.linear import make_linear
 from specfork.layers.norm import RMSNorm
 from specfork.layers.rotary import RotaryEmbedding
@@ -53,6 +53,9 @@ class Eagle3Head(nn.Module):
             self.input_layernorm, (attn.qkv_proj, attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj),
             self.post_attention_layernorm, attn.num_heads, attn.num_kv_heads, attn.scale,
         )
+        # ... and for the whole step where fc and the LM head are native too: one call from fc to logits.
+        self.fused_step = fuse_eagle3_step(self.fused_decode, self.fc, embed_tokens.weight, self.hidden_norm,
+                                           self.norm, self.lm_head)
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
         """The target's concatenated features [T, 3 d_target] -> the head's input hidden [T, d]."""
@@ -66,17 +69,32 @@ class Eagle3Head(nn.Module):
         self,
         next_ids: torch.Tensor,  # [T] x_{t+1}
         positions: torch.Tensor,  # [T] t
-        hidden: torch.Tensor,  # [T, d] projected features or the head's own previous output
+        hidden: torch.Tensor | None,  # [T, d] projected features or the head's own previous output
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """The head's output at each position, [T, d] (before the final norm)."""
+        *,
+        features: torch.Tensor | None = None,  # [T, 3 d_target] the target's features, with hidden None
+        logit_rows: list[int] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the head's output at each position [T, d] (before the final norm), the draft-vocabulary
+        logits of the rows ``logit_rows`` [R, draft_vocab] float32). The input is ``hidden``, or
+        ``features`` projected by fc."""
         rope = self.rotary.at(positions)
+        if meta.one_call and self.fused_step is not None:
+            projected = None if features is None else features.to(self.fc_dtype)
+            return self.fused_step(next_ids, hidden, projected, rope, kv_caches[0], meta, list(logit_rows))
+        if hidden is None:
+            hidden = self.project(features)
         a = torch.cat([self.input_layernorm(self.embed_tokens(next_ids)), self.hidden_norm(hidden)], dim=-1)
         if meta.one_call and self.fused_decode is not None:
-            return self.fused_decode(hidden, rope, kv_caches[0], meta, attn_input=a)
-        h = hidden + self.self_attn(a, rope, kv_caches[0], meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+            out = self.fused_decode(hidden, rope, kv_caches[0], meta, attn_input=a)
+        else:
+            h = hidden + self.self_attn(a, rope, kv_caches[0], meta)
+            out = h + self.mlp(self.post_attention_layernorm(h))
+        rows = list(logit_rows)
+        if not rows:
+            return out, out.new_empty(0, self.lm_head.out_features)
+        return out, self.compute_logits(out if rows == list(range(len(out))) else out[rows])
 
     def compute_logits(self, out: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [T, draft_vocab], float32."""

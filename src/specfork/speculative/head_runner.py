@@ -35,6 +35,7 @@ class HeadState(DraftState):
 
     clean: int = 0
     last_out: torch.Tensor | None = None
+    last_logits: torch.Tensor | None = None  # the head's draft-vocabulary logits behind last_out
     features: list[torch.Tensor] = field(default_factory=list)
     num_features: int = 0
     broken: bool = False  # features went missing: the sequence gets no drafts from the head
@@ -84,7 +85,8 @@ class HeadRunner:
 
     def catch_up(self, states: list[HeadState], contexts: list[list[int]]) -> None:
         """Run every state's waiting features (states must be ``ready``); afterwards ``clean`` is
-        ``len(context) - 1`` and ``last_out`` predicts the token after the context."""
+        ``len(context) - 1`` and ``last_out`` (with its logits ``last_logits``) predicts the token
+        after the context."""
         todo = [i for i, st in enumerate(states) if st.num_features]
         if not todo:
             return
@@ -93,29 +95,35 @@ class HeadRunner:
             self.blocks.grow(states[i], len(contexts[i]) - 1)
         feeds = [contexts[i][states[i].clean + 1 :] for i in todo]
         starts = [states[i].clean for i in todo]
-        hidden = self.head.project(torch.cat([states[i].take_features() for i in todo]))
+        features = torch.cat([states[i].take_features() for i in todo])
+        rows = last_rows(feeds)
         # a prefill pass: the native path where its bound allows (a prompt's catch-up may not)
-        out = self._rows([states[i] for i in todo], starts, feeds, hidden, decode=False)
-        for row, i in zip(last_rows(feeds), todo, strict=True):
+        out, logits = self._rows([states[i] for i in todo], starts, feeds, None, decode=False, features=features,
+                                 logit_rows=rows)
+        for j, (row, i) in enumerate(zip(rows, todo, strict=True)):
             st = states[i]
             st.clean = st.num_cached_tokens = len(contexts[i]) - 1
-            st.last_out = out[row : row + 1]
+            st.last_out, st.last_logits = out[row : row + 1], logits[j : j + 1]
 
     def decode_step(self, tables: list, positions: list[int], tokens: list[int], hidden: torch.Tensor):
         """One row per table: token ``tokens[i]`` at ``positions[i] + 1`` read by row
         ``positions[i]`` with ``hidden[i]``; (full-vocabulary logits [n, V], the head's outputs [n, d])."""
-        out = self._rows(tables, positions, [[t] for t in tokens], hidden, decode=True)
-        return self.full_logits(out), out
+        out, logits = self._rows(tables, positions, [[t] for t in tokens], hidden, decode=True)
+        return self.full_logits(logits), out
 
-    def _rows(self, tables: list, starts: list[int], feeds: list[list[int]], hidden: torch.Tensor, *,
-              decode: bool) -> torch.Tensor:
+    def _rows(self, tables: list, starts: list[int], feeds: list[list[int]], hidden: torch.Tensor | None, *,
+              decode: bool, features: torch.Tensor | None = None, logit_rows: list[int] | None = None):
+        """(the head's outputs of these rows, the draft logits of ``logit_rows``, all rows by
+        default); the input is ``hidden``, or the target's ``features``."""
         ids, pos, meta = self.runner.prepare(tables, starts, feeds, decode=decode)
-        return self.head(ids, pos, hidden, self.runner.kv_caches, meta)
+        rows = range(len(ids)) if logit_rows is None else logit_rows
+        return self.head(ids, pos, hidden, self.runner.kv_caches, meta, features=features, logit_rows=rows)
 
-    def full_logits(self, out: torch.Tensor) -> torch.Tensor:
-        """The head's logits scattered into the target's vocabulary (-inf elsewhere) [n, V]."""
-        logits = torch.full((len(out), self.vocab_size), float("-inf"), device=self.device)
-        logits[:, self.head.draft_to_target] = self.head.compute_logits(out)
+    def full_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """The head's draft-vocabulary logits scattered into the target's vocabulary (-inf
+        elsewhere) [n, V]."""
+        logits = torch.full((len(draft_logits), self.vocab_size), float("-inf"), device=self.device)
+        logits[:, self.head.draft_to_target] = draft_logits
         return logits
 
     # -- the drafting loop --------------------------------------------------------------
@@ -145,10 +153,11 @@ class HeadRunner:
                 self.blocks.grow(states[i], len(contexts[i]) - 2 + num_tokens[i])
             self.catch_up([states[i] for i in active], [contexts[i] for i in active])
             out = torch.cat([states[i].last_out for i in active])
+            logits = torch.cat([states[i].last_logits for i in active])
         confidence = [1.0] * len(states)
         step = 0
         while active:
-            drafted, q, p, top = self._draw(out, [params[i] for i in active], [generators[i] for i in active],
+            drafted, q, p, top = self._draw(logits, [params[i] for i in active], [generators[i] for i in active],
                                             reshape, with_confidence=min_confidence > 0)
             keep = []
             for row, i in enumerate(active):
@@ -163,27 +172,27 @@ class HeadRunner:
             active = [active[r] for r in keep]
             if not active:
                 break
-            out = out.index_select(0, torch.tensor(keep, device=self.device))
+            if len(keep) < len(out):
+                out = out.index_select(0, torch.tensor(keep, device=self.device))
             positions = [len(contexts[i]) - 1 + step for i in active]
             step += 1
-            out = self._rows([states[i] for i in active], positions, [[tokens[i][-1]] for i in active], out,
-                             decode=True)
+            out, logits = self._rows([states[i] for i in active], positions, [[tokens[i][-1]] for i in active], out,
+                                     decode=True)
         return [Drafted(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs, strict=True)]
 
-    def _draw(self, out: torch.Tensor, params: list[SamplingParams], generators: list, reshape: Reshape | None, *,
-              with_confidence: bool):
-        """One token per row: (tokens, q [rows, V] or None when every row is greedy, the head's
-        probability of each token, and its top probability in each row; ones for both unless
-        ``with_confidence``)."""
+    def _draw(self, draft_logits: torch.Tensor, params: list[SamplingParams], generators: list,
+              reshape: Reshape | None, *, with_confidence: bool):
+        """One token per row of the head's draft-vocabulary logits: (tokens, q [rows, V] or None
+        when every row is greedy, the head's probability of each token, and its top probability in
+        each row; ones for both unless ``with_confidence``)."""
         ones = [1.0] * len(params)
         if all(p.greedy for p in params):  # the head's best token; no distribution to send
-            draft_logits = self.head.compute_logits(out)
             tokens = [self.draft_to_target[best] for best in greedy_tokens(draft_logits)]
             if not with_confidence:
                 return tokens, None, ones, ones
             confidence = torch.softmax(draft_logits, dim=-1).amax(dim=-1).tolist()  # the best token's
             return tokens, None, confidence, confidence
-        logits = self.full_logits(out)
+        logits = self.full_logits(draft_logits)
         draw = sample(logits, params, generators, reshape)
         head_probs = torch.softmax(logits, dim=-1)
         chosen = torch.tensor(draw.tokens, device=self.device).unsqueeze(1)
@@ -201,20 +210,21 @@ class HeadRunner:
         head's own chain would write them (stand-ins until the target's features exist)."""
         self.catch_up(states, contexts)
         outs = [[st.last_out] for st in states]
+        logits = [[st.last_logits] for st in states]
         for st, context, spec in zip(states, contexts, specs, strict=True):
             st.keep(st.clean)
             self.blocks.grow(st, len(context) - 1 + len(spec))
         for j in range(max((len(s) for s in specs), default=0)):
             active = [i for i, s in enumerate(specs) if len(s) > j]
             hidden = torch.cat([outs[i][-1] for i in active])
-            out = self._rows([states[i] for i in active], [len(contexts[i]) - 1 + j for i in active],
-                             [[specs[i][j]] for i in active], hidden, decode=True)
+            out, step_logits = self._rows([states[i] for i in active], [len(contexts[i]) - 1 + j for i in active],
+                                          [[specs[i][j]] for i in active], hidden, decode=True)
             for row, i in enumerate(active):
                 outs[i].append(out[row : row + 1])
+                logits[i].append(step_logits[row : row + 1])
         for st, context, spec in zip(states, contexts, specs, strict=True):
             st.num_cached_tokens = len(context) - 1 + len(spec)
-        stacked = [torch.cat(o) for o in outs]
-        return [self.full_logits(o) for o in stacked], stacked
+        return [self.full_logits(torch.cat(lg)) for lg in logits], [torch.cat(o) for o in outs]
 
     def release(self, state: DraftState) -> None:
         self.blocks.free(state)
@@ -228,8 +238,9 @@ class HeadRunner:
         self.blocks.grow(st, context + 1)
         d = self.head.config.hidden_size
         try:
-            self._rows([st], [0], [[1] * context], torch.zeros(context, d, device=self.device), decode=False)
-            return time_call(lambda: self.head.compute_logits(
-                self._rows([st], [context], [[1]], torch.zeros(1, d, device=self.device), decode=True)))
+            self._rows([st], [0], [[1] * context], torch.zeros(context, d, device=self.device), decode=False,
+                       logit_rows=[])
+            return time_call(lambda: self._rows([st], [context], [[1]], torch.zeros(1, d, device=self.device),
+                                                decode=True))
         finally:
             self.blocks.free(st)

@@ -82,8 +82,9 @@ struct Scratch {
   torch::Tensor memory;
   float *normed, *qkv, *attn, *h, *gate_up, *act, *rounded;
 
-  Scratch(const Shapes& s, const std::vector<LayerWeights>& layers, const parts::QuantWeight* head) {
-    int64_t rounded_words = head ? parts::rounded_words(*head, s.T) : 0;
+  Scratch(const Shapes& s, const std::vector<LayerWeights>& layers, const std::vector<const parts::QuantWeight*>& extra) {
+    int64_t rounded_words = 0;
+    for (const auto* w : extra) rounded_words = std::max(rounded_words, parts::rounded_words(*w, s.T));
     for (const auto& l : layers)
       for (const auto* w : {&l.qkv, &l.o, &l.gate_up, &l.down})
         rounded_words = std::max(rounded_words, parts::rounded_words(*w, s.T));
@@ -209,6 +210,22 @@ void run_layer(const Step& st, const LayerWeights& w, const float* x, const floa
   for (int64_t i = rows.begin * s.H; i < rows.end * s.H; ++i) y[i] = m.h[i] + y[i];
 }
 
+// A projection given as {units, scales, offsets, bias or an empty tensor} and {n_out, format}.
+parts::QuantWeight projection_of(const std::vector<torch::Tensor>& w, const std::vector<int64_t>& f, const char* what) {
+  TORCH_CHECK(w.size() == 4 && f.size() == 2, what, ": units, scales, offsets, bias and n_out, format");
+  return parts::quant_weight(w[0], w[1], w[2], f[0], f[1], w[3].numel() ? &w[3] : nullptr);
+}
+
+// Rows rows.begin..rows.end-1 of x [M, K] through projection w into y [M, n_out], M rows in all:
+// this thread rounds its rows, the team meets, then each thread computes its tiles of every row.
+void project_rows(const Step& st, const parts::QuantWeight& w, const float* x, int64_t M, Range rows, float* y) {
+  const auto rounded = parts::rounded_rows_in(st.scratch->rounded, w, M);
+  parts::round_rows(st.isa, w, x, rounded, rows.begin * w.groups, rows.end * w.groups);
+  barrier();
+  const auto tiles = share(w.tiles);
+  parts::project_tiles(st.isa, w, rounded, M, y, tiles.begin, tiles.end);
+}
+
 // Everything a call needs before its team starts: shapes, weights and attention plan checked (no
 // error may leave a parallel region).
 struct Call {
@@ -222,7 +239,8 @@ struct Call {
        const std::vector<std::vector<int64_t>>& formats, const std::vector<torch::Tensor>& caches,
        const torch::Tensor& cos_in, const torch::Tensor& sin_in, const torch::Tensor& block_tables,
        const torch::Tensor& seq_of, const torch::Tensor& pos_of, const torch::Tensor& slot_mapping,
-       int64_t num_heads, int64_t num_kv_heads, double eps, double scale, const parts::QuantWeight* head = nullptr)
+       int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
+       const std::vector<const parts::QuantWeight*>& extra = {})
       : cos(cos_in.contiguous()), sin(sin_in.contiguous()), slots(slot_mapping.contiguous()),
         tables(block_tables.contiguous()), seqs(seq_of.contiguous()), poss(pos_of.contiguous()) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be [T, H] float32");
@@ -250,7 +268,7 @@ struct Call {
     TORCH_CHECK(seqs.numel() == T, "one sequence index and position per token");
     plan = parts::plan_attention(tables, seqs, poss, num_heads, num_kv_heads, D, cache0.size(2));
     plan.scale = static_cast<float>(scale);
-    scratch = std::make_unique<Scratch>(s, layers, head);
+    scratch = std::make_unique<Scratch>(s, layers, extra);
     step = Step{s, static_cast<float>(eps), cos.data_ptr<float>(), sin.data_ptr<float>(), slot, best_isa_index(),
                 &plan, scratch.get()};
   }
@@ -296,17 +314,15 @@ std::vector<torch::Tensor> decoder_stack_decode(
     const std::vector<torch::Tensor>& head_weights, const std::vector<int64_t>& head_format) {
   const auto x = x_in.contiguous();
   const int64_t L = static_cast<int64_t>(layer_weights.size()), T = x.size(0), H = x.size(1);
-  TORCH_CHECK(head_weights.empty() || (head_weights.size() == 4 && head_format.size() == 2),
-              "decoder_stack_decode: the LM head is units, scales, offsets, bias and n_out, format");
   std::unique_ptr<parts::QuantWeight> head;
   if (!head_weights.empty()) {
-    const auto& bias = head_weights[3];
-    head = std::make_unique<parts::QuantWeight>(parts::quant_weight(
-        head_weights[0], head_weights[1], head_weights[2], head_format[0], head_format[1], bias.numel() ? &bias : nullptr));
+    head = std::make_unique<parts::QuantWeight>(projection_of(head_weights, head_format, "decoder_stack_decode's LM head"));
     TORCH_CHECK(head->K == H, "decoder_stack_decode: the LM head reads ", head->K, " features, the hidden size is ", H);
   }
+  std::vector<const parts::QuantWeight*> extra;
+  if (head) extra.push_back(head.get());
   Call call(x, x.size(1), layer_weights, layer_formats, caches, cos, sin, block_tables, seq_of, pos_of, slot_mapping,
-            num_heads, num_kv_heads, eps, scale, head.get());
+            num_heads, num_kv_heads, eps, scale, extra);
   for (int64_t c : capture)
     TORCH_CHECK(c >= 0 && c < L, "decoder_stack_decode: capture names a layer it does not have");
   TORCH_CHECK(final_norm.scalar_type() == torch::kFloat32 && final_norm.is_contiguous() && final_norm.numel() == H,
@@ -340,4 +356,81 @@ std::vector<torch::Tensor> decoder_stack_decode(
     }
   }
   return {hidden, features, logits};
+}
+
+// An EAGLE-3 head's step (models/eagle3.py) in one call and one parallel region:
+//   h = fc(features)                  (or `hidden` as given, fc_weights empty)
+//   a = [rms_norm(embedding[ids]), rms_norm(h)]   the layer's input norm, then hidden_norm
+//   out = the decoder layer of h reading a
+//   logits[r] = lm_head(rms_norm(out[logit_rows[r]]))   the final norm; only the rows asked for
+// with the module path's kernels and arithmetic, so the results are bit-identical to it
+// (tests/test_eagle3.py). Returns {out [T, H], logits [R, n_out]}.
+std::vector<torch::Tensor> eagle3_head_decode(
+    const torch::Tensor& input, const std::vector<torch::Tensor>& fc_weights, const std::vector<int64_t>& fc_format,
+    const torch::Tensor& ids_in, const torch::Tensor& embedding_in, const torch::Tensor& hidden_norm,
+    const torch::Tensor& final_norm, const std::vector<torch::Tensor>& layer_weights,
+    const std::vector<int64_t>& layer_formats, const torch::Tensor& cos, const torch::Tensor& sin,
+    const torch::Tensor& cache, const torch::Tensor& block_tables, const torch::Tensor& seq_of,
+    const torch::Tensor& pos_of, const torch::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads,
+    double eps, double scale, const std::vector<torch::Tensor>& head_weights, const std::vector<int64_t>& head_format,
+    const std::vector<int64_t>& logit_rows) {
+  const auto in = input.contiguous();
+  const auto ids = ids_in.contiguous();
+  const auto embedding = embedding_in.contiguous();
+  TORCH_CHECK(in.dim() == 2 && in.scalar_type() == torch::kFloat32, "eagle3_head_decode: float32 [T, K] input");
+  const int64_t T = in.size(0), H = embedding.size(1);
+  TORCH_CHECK(embedding.dim() == 2 && embedding.scalar_type() == torch::kFloat32, "eagle3_head_decode: float32 embedding");
+  TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.numel() == T, "eagle3_head_decode: one int64 id per row");
+  for (const auto* norm : {&hidden_norm, &final_norm})
+    TORCH_CHECK(norm->scalar_type() == torch::kFloat32 && norm->is_contiguous() && norm->numel() == H,
+                "eagle3_head_decode: the norms must be float32 of the hidden size");
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(id[t] >= 0 && id[t] < embedding.size(0), "eagle3_head_decode: token id out of range");
+  const auto lm_head = projection_of(head_weights, head_format, "eagle3_head_decode's LM head");
+  TORCH_CHECK(lm_head.K == H, "eagle3_head_decode: the LM head reads ", lm_head.K, " features");
+  std::unique_ptr<parts::QuantWeight> fc;
+  if (!fc_weights.empty()) {
+    fc = std::make_unique<parts::QuantWeight>(projection_of(fc_weights, fc_format, "eagle3_head_decode's fc"));
+    TORCH_CHECK(fc->K == in.size(1) && fc->n_out == H, "eagle3_head_decode: fc is ", fc->K, " -> ", fc->n_out);
+  } else {
+    TORCH_CHECK(in.size(1) == H, "eagle3_head_decode: the hidden input must be [T, H]");
+  }
+  const int64_t R = static_cast<int64_t>(logit_rows.size());
+  TORCH_CHECK(R <= T, "eagle3_head_decode: more logit rows than rows");
+  for (int64_t r : logit_rows) TORCH_CHECK(r >= 0 && r < T, "eagle3_head_decode: logit row out of range");
+  std::vector<const parts::QuantWeight*> extra{&lm_head};
+  if (fc) extra.push_back(fc.get());
+  auto hidden = fc ? torch::empty({T, H}, in.options()) : in;
+  Call call(hidden, 2 * H, {layer_weights}, {layer_formats}, {cache}, cos, sin, block_tables, seq_of, pos_of,
+            slot_mapping, num_heads, num_kv_heads, eps, scale, extra);
+  auto attn_in = torch::empty({T, 2 * H}, in.options());
+  auto out = torch::empty({T, H}, in.options());
+  auto logits = torch::empty({R, lm_head.n_out}, in.options());
+  const Step& st = call.step;
+  const float feps = static_cast<float>(eps);
+  float* h = hidden.data_ptr<float>();
+  float* a = attn_in.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  const float* emb = embedding.data_ptr<float>();
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    const Range rows = share(T);
+    if (fc) {
+      project_rows(st, *fc, in.data_ptr<float>(), T, rows, h);
+      barrier();
+    }
+    for (int64_t t = rows.begin; t < rows.end; ++t) {
+      parts::rms_norm_rows(emb + id[t] * H, call.layers[0].input_norm, a + t * 2 * H, H, feps, 0, 1);
+      parts::rms_norm_rows(h + t * H, hidden_norm.data_ptr<float>(), a + t * 2 * H + H, H, feps, 0, 1);
+    }
+    run_layer(st, call.layers[0], h, a, cache, y);
+    barrier();
+    const Range picked = share(R);
+    float* normed = st.scratch->normed;  // free once the layer is done
+    for (int64_t r = picked.begin; r < picked.end; ++r)
+      parts::rms_norm_rows(y + logit_rows[r] * H, final_norm.data_ptr<float>(), normed + r * H, H, feps, 0, 1);
+    project_rows(st, lm_head, normed, R, picked, logits.data_ptr<float>());
+  }
+  return {out, logits};
 }

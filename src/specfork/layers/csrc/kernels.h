@@ -72,3 +72,17 @@ std::vector<torch::Tensor> decoder_stack_decode(
     int64_t num_kv_heads, double eps, double scale, const std::vector<int64_t>& capture,
     const torch::Tensor& final_norm, double final_eps, const std::vector<torch::Tensor>& head_weights,
     const std::vector<int64_t>& head_format);
+
+// decoder_layer.cpp: an EAGLE-3 head's step in one call: fc of `input` (features; or `input` is the
+// head's hidden already, fc_weights empty), the normed token embedding and normed hidden side by
+// side, the decoder layer, and the LM head of the rows logit_rows after the final norm;
+// {out [T, H], logits [|logit_rows|, n_out]}.
+std::vector<torch::Tensor> eagle3_head_decode(
+    const torch::Tensor& input, const std::vector<torch::Tensor>& fc_weights, const std::vector<int64_t>& fc_format,
+    const torch::Tensor& ids, const torch::Tensor& embedding, const torch::Tensor& hidden_norm,
+    const torch::Tensor& final_norm, const std::vector<torch::Tensor>& layer_weights,
+    const std::vector<int64_t>& layer_formats, const torch::Tensor& cos, const torch::Tensor& sin_signed,
+    const torch::Tensor& cache, const torch::Tensor& block_tables, const torch::Tensor& seq_of,
+    const torch::Tensor& pos_of, const torch::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads,
+    double eps, double scale, const std::vector<torch::Tensor>& head_weights, const std::vector<int64_t>& head_format,
+    const std::vector<int64_t>& logit_rows);
