@@ -109,18 +109,21 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in sl)
             tables.append(table[:max_blocks] + [0] * (max_blocks - min(len(table), max_blocks)))
         dev = self.device
-        ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
         native = attn_mask is None and self.native_attention_available
         slices = None if decode or not native else self._native_slices(positions)
         seq_index = mask = pad_index = unpad_index = None
+        # One tensor for the per-token columns, viewed row by row (fewer tensors built from lists).
+        columns = [ids, positions, slots]
         if native:
-            seq_index = torch.tensor([b for b, n in enumerate(q_lens) for _ in range(n)], dtype=torch.long, device=dev)
+            columns.append([b for b, n in enumerate(q_lens) for _ in range(n)])
         else:
             mask = self._sdpa_mask(attn_mask, starts, q_lens, ctx, k_max)
             pad_index, unpad_index = self._padding(q_lens)
+        ids_t, pos_t, slots_t, *rest = torch.tensor(columns, dtype=torch.long, device=dev).unbind(0)
+        if native:
+            seq_index = rest[0]
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            slot_mapping=slots_t,
             block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
             k_max=k_max,
             mask=mask,

@@ -25,6 +25,14 @@ from specfork.layers.quantized import QuantizedLinear
 from specfork.layers.rotary import RopeTables
 
 
+def _rope_tables(rope: RopeTables, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole rotary tables: the native forward reads them at ``meta.positions``, which must be
+    the positions the rotation was asked for (``ModelRunner.prepare`` returns that tensor)."""
+    if rope.positions is not meta.positions:
+        raise ValueError("a native forward rotates at the attention metadata's positions; pass prepare()'s positions")
+    return rope.table_cos, rope.table_sin_signed
+
+
 class FusedDecodeLayer:
     def __init__(self, kernels, weights: list[torch.Tensor], formats: list[int], num_heads: int,
                  num_kv_heads: int, eps: float, scale: float) -> None:
@@ -39,7 +47,7 @@ class FusedDecodeLayer:
         """The layer's output for residual stream ``x``; ``attn_input``: what attention reads
         instead of ``rms_norm(x)`` (a layer shaped like EAGLE-3's head), None for a Llama layer."""
         return self._kernels.decoder_layer_decode(
-            x.contiguous(), self._no_input if attn_input is None else attn_input, self._weights, self._formats, rope.cos, rope.sin_signed, cache, meta.block_tables,
+            x.contiguous(), self._no_input if attn_input is None else attn_input, self._weights, self._formats, *_rope_tables(rope, meta), cache, meta.block_tables,
             meta.seq_index, meta.positions, meta.slot_mapping, *self._heads, self._eps, self._scale,
         )
 
@@ -81,7 +89,7 @@ class FusedDecoderStack:
         native))."""
         head = logits and bool(self._head_weights)
         hidden, features, out = self._kernels.decoder_stack_decode(
-            x.contiguous(), self._weights, self._formats, caches, rope.cos, rope.sin_signed, meta.block_tables,
+            x.contiguous(), self._weights, self._formats, caches, *_rope_tables(rope, meta), meta.block_tables,
             meta.seq_index, meta.positions, meta.slot_mapping, *self._heads, self._eps, self._scale, list(capture),
             self._norm.weight, self._norm.eps, self._head_weights if head else [], self._head_format if head else [],
         )
@@ -121,7 +129,7 @@ class FusedEagle3Step:
         fc_weights, fc_format = self._fc if hidden is None else ([], [])
         return layer._kernels.eagle3_head_decode(
             features if hidden is None else hidden, fc_weights, fc_format, ids, self._embedding, self._hidden_norm,
-            self._final_norm, layer._weights, layer._formats, rope.cos, rope.sin_signed, cache, meta.block_tables,
+            self._final_norm, layer._weights, layer._formats, *_rope_tables(rope, meta), cache, meta.block_tables,
             meta.seq_index, meta.positions, meta.slot_mapping, *layer._heads, layer._eps, layer._scale,
             *self._lm_head, logit_rows,
         )

@@ -63,7 +63,7 @@ class HeadState(DraftState):
         return not self.broken and caught_up and self.clean + self.num_features == context_len - 1
 
     def take_features(self) -> torch.Tensor:
-        rows = torch.cat(self.features) if len(self.features) > 1 else self.features[0]
+        rows = _joined(self.features)
         self.features, self.num_features = [], 0
         return rows
 
@@ -95,7 +95,7 @@ class HeadRunner:
             self.blocks.grow(states[i], len(contexts[i]) - 1)
         feeds = [contexts[i][states[i].clean + 1 :] for i in todo]
         starts = [states[i].clean for i in todo]
-        features = torch.cat([states[i].take_features() for i in todo])
+        features = _joined([states[i].take_features() for i in todo])
         rows = last_rows(feeds)
         # a prefill pass: the native path where its bound allows (a prompt's catch-up may not)
         out, logits = self._rows([states[i] for i in todo], starts, feeds, None, decode=False, features=features,
@@ -152,8 +152,8 @@ class HeadRunner:
             for i in active:
                 self.blocks.grow(states[i], len(contexts[i]) - 2 + num_tokens[i])
             self.catch_up([states[i] for i in active], [contexts[i] for i in active])
-            out = torch.cat([states[i].last_out for i in active])
-            logits = torch.cat([states[i].last_logits for i in active])
+            out = _joined([states[i].last_out for i in active])
+            logits = _joined([states[i].last_logits for i in active])
         confidence = [1.0] * len(states)
         step = 0
         while active:
@@ -216,7 +216,7 @@ class HeadRunner:
             self.blocks.grow(st, len(context) - 1 + len(spec))
         for j in range(max((len(s) for s in specs), default=0)):
             active = [i for i, s in enumerate(specs) if len(s) > j]
-            hidden = torch.cat([outs[i][-1] for i in active])
+            hidden = _joined([outs[i][-1] for i in active])
             out, step_logits = self._rows([states[i] for i in active], [len(contexts[i]) - 1 + j for i in active],
                                           [[specs[i][j]] for i in active], hidden, decode=True)
             for row, i in enumerate(active):
@@ -244,3 +244,8 @@ class HeadRunner:
                                                 decode=True))
         finally:
             self.blocks.free(st)
+
+
+def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(tensors)``, without the copy for one tensor (a round's usual case)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)

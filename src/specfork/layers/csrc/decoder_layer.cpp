@@ -12,7 +12,7 @@
 // a thread that finishes a row-wise stage goes straight on to the next stage of the same rows.
 //
 // The stages run the kernels' own code on ranges (forward_parts.h) and the same element-wise
-// arithmetic as the module path, so the result is bit-identical to it (tests/test_fused_layer.py):
+// arithmetic as the module path, so the result is bit-identical to it (tests/test_quantized.py):
 // the rotation is x * cos + roll(x) * sin_signed with separate roundings (the extension is compiled
 // with -ffp-contract=off), the residual adds are plain float adds, and silu(gate) * up is
 // activation.cpp's (the module path calls it too). No stage's result depends on how the work is
@@ -106,8 +106,9 @@ struct Scratch {
 struct Step {
   Shapes s;
   float eps;
-  const float* cos;  // [T, D]
+  const float* cos;  // the rotation tables [P, D], read at each token's position
   const float* sin;
+  const int64_t* pos;   // position of each token
   const int64_t* slot;  // cache slot of each token
   int64_t isa;
   parts::AttentionPlan* plan;
@@ -167,8 +168,8 @@ void run_layer(const Step& st, const LayerWeights& w, const float* x, const floa
   for (int64_t i = heads.begin; i < heads.end; ++i) {
     const int64_t t = i / (s.Hq + s.Hkv), hd = i % (s.Hq + s.Hkv);
     float* v = m.qkv + t * width + hd * s.D;
-    const float* c = st.cos + t * s.D;
-    const float* sn = st.sin + t * s.D;
+    const float* c = st.cos + st.pos[t] * s.D;
+    const float* sn = st.sin + st.pos[t] * s.D;
     std::memcpy(head.data(), v, s.D * sizeof(float));
     for (int64_t j = 0; j < half; ++j) v[j] = head[j] * c[j] + head[j + half] * sn[j];
     for (int64_t j = half; j < s.D; ++j) v[j] = head[j] * c[j] + head[j - half] * sn[j];
@@ -255,21 +256,24 @@ struct Call {
     const int64_t T = x.size(0), D = cache0.size(4);
     TORCH_CHECK(cache0.size(3) == num_kv_heads && D % 2 == 0 && num_heads % num_kv_heads == 0,
                 "cache shape disagrees with the heads");
-    TORCH_CHECK(cos.numel() == T * D && sin.numel() == T * D && slots.numel() == T &&
-                    cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 &&
-                    slots.scalar_type() == torch::kInt64,
-                "rope tables / slots: one per token");
+    TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D && sin.sizes() == cos.sizes() &&
+                    cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32,
+                "rope tables: float32 [positions, head_dim]");
+    TORCH_CHECK(slots.numel() == T && slots.scalar_type() == torch::kInt64, "cache slots: one int64 per token");
     const int64_t slots_total = cache0.size(1) * cache0.size(2);
     const int64_t* slot = slots.data_ptr<int64_t>();
     for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < slots_total, "cache slot out of range");
     const int64_t inter = formats[0].size() == 8 ? formats[0][4] / 2 : 0;
     const Shapes s{T, x.size(1), num_heads, num_kv_heads, D, inter, attn_width};
     for (size_t i = 0; i < weights.size(); ++i) layers.push_back(layer_weights(weights[i], formats[i], s));
-    TORCH_CHECK(seqs.numel() == T, "one sequence index and position per token");
+    TORCH_CHECK(seqs.numel() == T && poss.numel() == T && poss.scalar_type() == torch::kInt64,
+                "one sequence index and position per token");
+    const int64_t* pos = poss.data_ptr<int64_t>();
+    for (int64_t t = 0; t < T; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "position past the rope tables");
     plan = parts::plan_attention(tables, seqs, poss, num_heads, num_kv_heads, D, cache0.size(2));
     plan.scale = static_cast<float>(scale);
     scratch = std::make_unique<Scratch>(s, layers, extra);
-    step = Step{s, static_cast<float>(eps), cos.data_ptr<float>(), sin.data_ptr<float>(), slot, best_isa_index(),
+    step = Step{s, static_cast<float>(eps), cos.data_ptr<float>(), sin.data_ptr<float>(), pos, slot, best_isa_index(),
                 &plan, scratch.get()};
   }
 };

@@ -49,7 +49,8 @@ torch::Tensor paged_attention_decode_isa(const torch::Tensor& q, const torch::Te
 int64_t attention_chunk();
 
 // decoder_layer.cpp: one Llama decoder layer of a decode or verification step, in one call and one
-// parallel region.
+// parallel region. cos / sin_signed (here and below): the whole rotary tables [positions, head_dim],
+// read at each token's position pos_of.
 // attn_in: an empty tensor for a Llama layer (attention reads rms_norm(x)), or the attention's input
 // itself for a layer whose attention reads something else than its residual (EAGLE-3's head: the
 // normed token embedding and the normed feature side by side, 2 H wide).
