@@ -16,6 +16,8 @@ own. The module knows nothing of speculation; the proposer drives it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -74,15 +76,15 @@ class Eagle3Head(nn.Module):
         meta: AttentionMetadata,
         *,
         features: torch.Tensor | None = None,  # [T, 3 d_target] the target's features, with hidden None
-        logit_rows: list[int] = (),
+        logit_rows: Sequence[int] = (),
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the head's output at each position [T, d] (before the final norm), the draft-vocabulary
         logits of the rows ``logit_rows`` [R, draft_vocab] float32). The input is ``hidden``, or
         ``features`` projected by fc."""
         rope = self.rotary.at(positions)
         if meta.one_call and self.fused_step is not None:
-            projected = None if features is None else features.to(self.fc_dtype)
-            return self.fused_step(next_ids, hidden, projected, rope, kv_caches[0], meta, list(logit_rows))
+            features = None if features is None else features.to(self.fc_dtype)
+            return self.fused_step(next_ids, hidden, features, rope, kv_caches[0], meta, list(logit_rows))
         if hidden is None:
             hidden = self.project(features)
         a = torch.cat([self.input_layernorm(self.embed_tokens(next_ids)), self.hidden_norm(hidden)], dim=-1)
