@@ -246,3 +246,24 @@ def test_a_head_joining_late_stops_quietly_and_a_gap_is_a_warning(caplog):
     gap.observe(7, torch.zeros(1, 6), seq_id=2)
     assert gap.broken and not gap.ready(8)
     assert [r.levelname for r in caplog.records] == ["WARNING"]
+
+
+def test_a_native_forward_refuses_positions_other_than_its_metadatas(tiny_target, tmp_path):
+    """The one-call path rotates at the attention metadata's positions; a caller passing other
+    positions gets an error, not a silently different rotation."""
+    from specfork.layers.cpu_kernels import kernels
+
+    if kernels() is None:
+        pytest.skip("native kernels not built")
+    write_tiny_head(tmp_path / "head", tiny_target, draft_ids=list(range(0, 256, 4)), seed=2)
+    target = LLM(str(tiny_target)).engine.loaded
+    head = load_eagle3_head(tmp_path / "head", target, device=torch.device("cpu"), quantize_group=32)
+    runner = ModelRunner(head, num_blocks=8, block_size=4, device=torch.device("cpu"))
+    blocks, state = BlockManager(8, 4), DraftState()
+    blocks.grow(state, 3)
+    ids, pos, meta = runner.prepare([state], [0], [[1, 2, 3]], decode=False)
+    features = torch.randn(3, 3 * 64)
+    with torch.inference_mode():
+        head(ids, pos, None, runner.kv_caches, meta, features=features, logit_rows=[2])  # prepare's positions
+        with pytest.raises(ValueError, match="metadata's positions"):
+            head(ids, pos.clone(), None, runner.kv_caches, meta, features=features, logit_rows=[2])

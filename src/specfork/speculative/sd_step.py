@@ -97,7 +97,7 @@ class SpeculativeStep:
             seconds = time.perf_counter() - t0
             for seq in seqs:
                 self._accepted[seq.seq_id] = 0
-                seq.stats.setdefault("spec", SpecStats()).record(0, 0, 0.0, seconds)
+                _spec_stats(seq).record(0, 0, 0.0, seconds)
             if self.auto_k is not None:
                 self.auto_k.end_round(k, seconds)
             return out
@@ -116,7 +116,7 @@ class SpeculativeStep:
             # The last committed token and the accepted proposals are now in the target cache.
             seq.num_cached_tokens += 1 + result.num_accepted
             self._accepted[seq.seq_id] = result.num_accepted
-            stats = seq.stats.setdefault("spec", SpecStats())
+            stats = _spec_stats(seq)
             stats.record(len(props), result.num_accepted, draft_s, target_s, source)
             if self.auto_k is not None:
                 self.auto_k.observe(len(props), result.num_accepted)
@@ -201,6 +201,14 @@ class SpeculativeStep:
             proposed = torch.tensor(props, dtype=torch.long, device=logits.device)
             results.append(verify_sampled(target_probs[i], proposed, q, seq.generator))
         return results, spans
+
+
+def _spec_stats(seq: Sequence) -> SpecStats:
+    """The request's speculation counters (created on its first round, not built every round)."""
+    stats = seq.stats.get("spec")
+    if stats is None:
+        stats = seq.stats["spec"] = SpecStats()
+    return stats
 
 
 def _spans(counts: list[int]) -> list[tuple[int, int]]:
