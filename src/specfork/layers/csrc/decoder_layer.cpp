@@ -115,17 +115,20 @@ struct Step {
   Scratch* scratch;
 };
 
-// Round rows r of x for projection w (into the scratch's rounded rows).
-parts::RoundedRows round_for(const Step& st, const parts::QuantWeight& w, const float* x, Range r) {
-  const auto rows = parts::rounded_rows_in(st.scratch->rounded, w, st.s.T);
-  parts::round_rows(st.isa, w, x, rows, r.begin * w.groups, r.end * w.groups);
-  return rows;
+// This thread's tiles of projection w of M rounded rows.
+void project(const Step& st, const parts::QuantWeight& w, const parts::RoundedRows& rows, int64_t M, float* y) {
+  const auto tiles = share(w.tiles);
+  parts::project_tiles(st.isa, w, rows, M, y, tiles.begin, tiles.end);
 }
 
-// This thread's tiles of projection w of the rounded rows.
-void project(const Step& st, const parts::QuantWeight& w, const parts::RoundedRows& rows, float* y) {
-  const auto tiles = share(w.tiles);
-  parts::project_tiles(st.isa, w, rows, st.s.T, y, tiles.begin, tiles.end);
+// Rows rows.begin..rows.end-1 of x [M, K] through projection w into y [M, n_out], M rows in all:
+// this thread rounds its rows (into the scratch's rounded rows), the team meets, then each thread
+// computes its tiles of every row.
+void project_rows(const Step& st, const parts::QuantWeight& w, const float* x, int64_t M, Range rows, float* y) {
+  const auto rounded = parts::rounded_rows_in(st.scratch->rounded, w, M);
+  parts::round_rows(st.isa, w, x, rounded, rows.begin * w.groups, rows.end * w.groups);
+  barrier();
+  project(st, w, rounded, M, y);
 }
 
 // New keys and values into their cache slots (rounded to nearest-even for a float16 cache, as
@@ -157,9 +160,7 @@ void run_layer(const Step& st, const LayerWeights& w, const float* x, const floa
     parts::rms_norm_rows(x, w.input_norm, m.normed, s.H, st.eps, rows.begin, rows.end);
     a = m.normed;
   }
-  auto rounded = round_for(st, w.qkv, a, rows);
-  barrier();
-  project(st, w.qkv, rounded, m.qkv);
+  project_rows(st, w.qkv, a, s.T, rows, m.qkv);
   barrier();
   // rotate the q and k heads: x * cos + roll(x, D / 2) * sin_signed; then the cache takes k and v
   const Range heads = share(s.T * (s.Hq + s.Hkv));
@@ -187,26 +188,22 @@ void run_layer(const Step& st, const LayerWeights& w, const float* x, const floa
   parts::attention_items(st.isa, *st.plan, m.qkv, width, cache, items.first, items.second);
   barrier();
   parts::merge_attention(*st.plan, m.attn, rows.begin, rows.end);
-  rounded = round_for(st, w.o, m.attn, rows);
-  barrier();
-  project(st, w.o, rounded, m.h);
+  project_rows(st, w.o, m.attn, s.T, rows, m.h);
   barrier();
 
   // MLP block: h = x + o, its norm rounded for gate_up
   for (int64_t i = rows.begin * s.H; i < rows.end * s.H; ++i) m.h[i] = x[i] + m.h[i];
   parts::rms_norm_rows(m.h, w.post_norm, m.normed, s.H, st.eps, rows.begin, rows.end);
-  rounded = round_for(st, w.gate_up, m.normed, rows);
-  barrier();
-  project(st, w.gate_up, rounded, m.gate_up);
+  project_rows(st, w.gate_up, m.normed, s.T, rows, m.gate_up);
   barrier();
   // silu(gate) * up and its rounding for down, split by down's (row, group) pairs: a thread rounds
   // exactly the elements it has just computed, so the two stages need no barrier between them.
   const Range pairs = share(s.T * w.down.groups);
   parts::silu_mul(m.gate_up, m.act, s.inter, pairs.begin * w.down.group, pairs.end * w.down.group);
-  rounded = parts::rounded_rows_in(m.rounded, w.down, s.T);
+  const auto rounded = parts::rounded_rows_in(m.rounded, w.down, s.T);
   parts::round_rows(st.isa, w.down, m.act, rounded, pairs.begin, pairs.end);
   barrier();
-  project(st, w.down, rounded, y);
+  project(st, w.down, rounded, s.T, y);
   barrier();
   for (int64_t i = rows.begin * s.H; i < rows.end * s.H; ++i) y[i] = m.h[i] + y[i];
 }
@@ -215,16 +212,6 @@ void run_layer(const Step& st, const LayerWeights& w, const float* x, const floa
 parts::QuantWeight projection_of(const std::vector<torch::Tensor>& w, const std::vector<int64_t>& f, const char* what) {
   TORCH_CHECK(w.size() == 4 && f.size() == 2, what, ": units, scales, offsets, bias and n_out, format");
   return parts::quant_weight(w[0], w[1], w[2], f[0], f[1], w[3].numel() ? &w[3] : nullptr);
-}
-
-// Rows rows.begin..rows.end-1 of x [M, K] through projection w into y [M, n_out], M rows in all:
-// this thread rounds its rows, the team meets, then each thread computes its tiles of every row.
-void project_rows(const Step& st, const parts::QuantWeight& w, const float* x, int64_t M, Range rows, float* y) {
-  const auto rounded = parts::rounded_rows_in(st.scratch->rounded, w, M);
-  parts::round_rows(st.isa, w, x, rounded, rows.begin * w.groups, rows.end * w.groups);
-  barrier();
-  const auto tiles = share(w.tiles);
-  parts::project_tiles(st.isa, w, rounded, M, y, tiles.begin, tiles.end);
 }
 
 // Everything a call needs before its team starts: shapes, weights and attention plan checked (no
@@ -354,9 +341,7 @@ std::vector<torch::Tensor> decoder_stack_decode(
     }
     parts::rms_norm_rows(in, norm, hidden.data_ptr<float>(), H, feps, rows.begin, rows.end);
     if (head) {
-      const auto rounded = round_for(call.step, *head, hidden.data_ptr<float>(), rows);
-      barrier();
-      project(call.step, *head, rounded, logits.data_ptr<float>());
+      project_rows(call.step, *head, hidden.data_ptr<float>(), T, rows, logits.data_ptr<float>());
     }
   }
   return {hidden, features, logits};
