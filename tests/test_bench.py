@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from dataclasses import replace
 
 import pytest
 import torch
-from builders import llama, randomize_
+from builders import TINY_VOCAB, llama, randomize_
 
 from specfork.bench.report import (
     COLUMNS,
     chart_series,
     format_table,
+    markdown,
     plots,
     source_summary,
     table_rows,
@@ -124,6 +126,59 @@ def test_batched_runs_include_transformers_batched_ar(tiny):
     assert peer["settings"]["batch_size"] == 2 and peer["tokens"] == 4 * 10
     assert peer["match_ar"] >= 0.5  # left-padded fp32 batches; near-ties may differ
     assert any("batched runs are AR only" in n for n in report["notes"])
+
+
+def _with_eos(tiny: str, eos: int, directory) -> str:
+    """A copy of the tiny model whose EOS is ``eos``."""
+    import shutil
+
+    model = directory / f"tiny-eos-{eos}"
+    shutil.copytree(tiny, model)
+    for name in ("config.json", "generation_config.json"):
+        cfg = json.loads((model / name).read_text())
+        cfg["eos_token_id"] = eos
+        (model / name).write_text(json.dumps(cfg))
+    return str(model)
+
+
+def _to_eos(out: list[int], eos: int) -> list[int]:
+    return out[: out.index(eos) + 1] if eos in out else out
+
+
+def test_no_ignore_eos_stops_specfork_at_the_eos(tiny, tmp_path):
+    """With --no-ignore-eos a request ends at its EOS in every specfork mode; the tiny model's EOS
+    is made the 4th token AR produces for the first prompt."""
+    from specfork.bench.runner import run_specfork
+    from specfork.datasets import random_token_prompts
+
+    settings = _settings(tiny, modes=("ar", "sd", "ngram"), repeat=1, warmup=0)
+    prompts = random_token_prompts(2, 12, TINY_VOCAB, seed=settings.seed)
+    full = run_specfork("ar", "random", prompts, settings)[1]
+    eos = full[0][3]
+    model = _with_eos(tiny, eos, tmp_path)
+    report = run_benchmark(replace(settings, model=model, draft=model, ignore_eos=False), [{}], progress=False)
+    rows = {r["name"]: r for r in report["results"]}
+    assert rows["specfork ar"]["tokens"] == sum(len(_to_eos(out, eos)) for out in full) < 2 * 10
+    for mode in ("sd", "ngram"):
+        assert rows[f"specfork {mode}"]["tokens"] == rows["specfork ar"]["tokens"]
+        assert rows[f"specfork {mode}"]["match_ar"] == 1.0
+    assert "up to 10 output tokens (each request stops at its EOS)" in markdown(report, "specfork bench")
+    assert "10 output tokens (EOS ignored)" in markdown(run_benchmark(replace(settings, modes=("ar",)), [{}],
+                                                                      progress=False), "specfork bench")
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_no_ignore_eos_stops_the_transformers_peer_at_the_eos(tiny, tmp_path, batch_size):
+    from specfork.bench.peers.transformers_peer import run_transformers
+    from specfork.datasets import random_token_prompts
+
+    settings = _settings(tiny, modes=("ar",), repeat=1, warmup=0, batch_size=batch_size)
+    prompts = random_token_prompts(2, 12, TINY_VOCAB, seed=settings.seed)
+    full = run_transformers("AR", "random", prompts, settings)[1]
+    eos = full[0][3]
+    model = _with_eos(tiny, eos, tmp_path)
+    result, outs = run_transformers("AR", "random", prompts, replace(settings, model=model, ignore_eos=False))
+    assert outs == [_to_eos(out, eos) for out in full] and result.tokens < 2 * 10
 
 
 def test_peer_ratios_compare_within_each_sweep_point():

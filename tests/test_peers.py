@@ -3,6 +3,8 @@ optional `llama-cpp-python` extra is installed (`pip install -e ".[peers]"`)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from specfork.bench.runner import run_benchmark
@@ -17,7 +19,28 @@ def test_llama_cpp_runs_beside_specfork_on_the_same_gguf():
                              threads=2, peers=("llama.cpp",))
     report = run_benchmark(settings, [{}], progress=False)
     rows = {r["name"]: r for r in report["results"]}
-    assert set(rows) == {"specfork ar", "llama.cpp AR"}
+    assert set(rows) == {"specfork ar", "llama.cpp AR", "llama.cpp prompt-lookup"}
     peer = rows["llama.cpp AR"]
     assert peer["tokens"] == 2 * 32 and peer["tok_per_s"] > 0
     assert peer["match_ar"] >= 0.5  # same GGUF, greedy; llama.cpp rounds activations to int8, so near-ties may differ
+
+
+def test_llama_cpp_stops_at_its_eos_with_no_ignore_eos():
+    """HumanEval's third prompt ends within 60 tokens (greedy, specfork and llama.cpp alike): with
+    --no-ignore-eos llama.cpp's runs, one at a time and batched, end there on the EOS."""
+    pytest.importorskip("llama_cpp", reason="the optional peer llama-cpp-python is not installed")
+    from specfork import LLM
+    from specfork.bench.peers.llama_cpp_batched_peer import run_llama_cpp_batched
+    from specfork.bench.peers.llama_cpp_peer import run_llama_cpp
+    from specfork.bench.runner import load_prompt_ids
+
+    settings = BenchSettings(modes=("ar",), datasets=("humaneval",), num_prompts=3, output_len=200, warmup=0,
+                             threads=2, ignore_eos=False)
+    with LLM(threads=2) as llm:
+        prompts = load_prompt_ids(llm, "humaneval", settings)
+        eos = llm.engine.eos_token_ids
+    for run, batch_size in ((run_llama_cpp, 1), (run_llama_cpp_batched, 3)):
+        result, outputs = run("AR", "humaneval", prompts, replace(settings, batch_size=batch_size))
+        for out in outputs:
+            assert len(out) == 200 or (out[-1] in eos and not eos & set(out[:-1]))
+        assert len(outputs[2]) < 60 and result.tokens == sum(len(out) for out in outputs)

@@ -149,7 +149,7 @@ def markdown(report: dict, command: str) -> str:
         f"Python {m['python']}"
         + (f", GPU {m['cuda']}" if m.get("cuda") else "") + f"; commit {m.get('commit')}.",
         "",
-        f"{s['num_prompts']} prompts per dataset, {s['output_len']} output tokens (EOS ignored), temperature "
+        f"{s['num_prompts']} prompts per dataset, {_output_tokens(s)}, temperature "
         f"{s['temperature']}, batch size {s['batch_size']}, median of {s['repeat']} run(s) after {s['warmup']} "
         "warm-up run(s). \"= AR\": share of requests whose tokens equal specfork AR's (greedy runs). hidden: share "
         "of SSD's drafting hidden behind verification; draft/target: one draft step over one target decode step.",
@@ -199,6 +199,12 @@ def _sum_lines(report: dict) -> list[str]:
     lines = sum_lines(report)
     return ["", "Tensor parallelism (the ranks' all-gather-and-add after each attention and MLP):",
             *[f"* {line}" for line in lines]] if lines else []
+
+
+def _output_tokens(s: dict) -> str:
+    if s.get("ignore_eos", True):
+        return f"{s['output_len']} output tokens (EOS ignored)"
+    return f"up to {s['output_len']} output tokens (each request stops at its EOS)"
 
 
 def _bandwidth_note(report: dict) -> list[str]:

@@ -81,7 +81,7 @@ def run_specfork(mode: str, dataset: str, prompts: list[list[int]], s: BenchSett
     from specfork import LLM, SamplingParams
     from specfork.outputs import aggregate_metrics
 
-    params = SamplingParams(temperature=s.temperature, max_tokens=s.output_len, ignore_eos=True, seed=s.seed)
+    params = SamplingParams(temperature=s.temperature, max_tokens=s.output_len, ignore_eos=s.ignore_eos, seed=s.seed)
     with LLM(s.model, **_engine_options(mode, s)) as llm:
         for _ in range(s.warmup):
             llm.generate(prompts[: s.batch_size], replace(params, max_tokens=min(16, s.output_len)))

@@ -33,6 +33,9 @@ class BenchSettings:
     input_len: int | None = option(None, "cut (keeping the end) or repeat prompts to this many tokens; required "
                                    "for random")
     output_len: int = option(256, "generated tokens per request")
+    ignore_eos: bool = option(True, "every request generates exactly --output-len tokens, past its EOS, in every "
+                              "engine (the same work everywhere); --no-ignore-eos stops each at its end of "
+                              "generation, as real requests stop and as EAGLE's accepted lengths are published")
     temperature: float = option(0.0, "0 = greedy")
     k: int | str = option(5, "speculated tokens per round, or auto (sd and ngram modes: chosen from measured "
                           "costs)", parse=int_or_auto)

@@ -1,6 +1,7 @@
 """llama.cpp AR with its own parallel decoding: the low-level batch API with one sequence id
 per request (as its server's slots and ``llama-batched`` do), ``batch_size`` requests at a time,
-greedy, EOS ignored, same thread count. llama-cpp-python's ``Llama`` class decodes one sequence
+greedy, same thread count; EOS ignored unless ``--no-ignore-eos`` (then a request leaves the batch
+at llama.cpp's own end-of-generation tokens). llama-cpp-python's ``Llama`` class decodes one sequence
 only, so this is how llama.cpp runs batched."""
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def run_llama_cpp_batched(kind: str, dataset: str, prompts: list[list[int]], s: 
     params.n_seq_max = s.batch_size
     params.n_threads = params.n_threads_batch = threads
     ctx = lc.llama_init_from_model(model, params)
-    n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
+    vocab = lc.llama_model_get_vocab(model)
+    n_vocab = lc.llama_vocab_n_tokens(vocab)
     batch = lc.llama_batch_init(max(per_seq, s.batch_size), 0, s.batch_size)
 
     def decode(entries: list[tuple[int, int, int, bool]]) -> None:  # (token, position, sequence, wants logits)
@@ -58,11 +60,15 @@ def run_llama_cpp_batched(kind: str, dataset: str, prompts: list[list[int]], s: 
         for seq, ids in enumerate(group):  # prefill each request into its own sequence
             decode([(t, p, seq, p == len(ids) - 1) for p, t in enumerate(ids)])
             outputs.append([argmax(len(ids) - 1)])
-        while len(outputs[0]) < n:  # one batched decode per step, every sequence advancing
-            decode([(out[-1], len(ids) + len(out) - 1, seq, True)
-                    for seq, (ids, out) in enumerate(zip(group, outputs, strict=True))])
-            for seq, out in enumerate(outputs):
-                out.append(argmax(seq))
+
+        def running(seq: int) -> bool:
+            out = outputs[seq]
+            return len(out) < n and (s.ignore_eos or not lc.llama_vocab_is_eog(vocab, out[-1]))
+
+        while active := [seq for seq in range(len(group)) if running(seq)]:  # one batched decode per step
+            decode([(outputs[seq][-1], len(group[seq]) + len(outputs[seq]) - 1, seq, True) for seq in active])
+            for row, seq in enumerate(active):
+                outputs[seq].append(argmax(row))
         return outputs
 
     try:

@@ -1,5 +1,6 @@
 """llama.cpp (llama-cpp-python) on the same GGUF, one request at a time: AR, or prompt lookup
-(its Python API has no model-draft speculation). Greedy (top_k 1), EOS ignored, same thread count."""
+(its Python API has no model-draft speculation). Greedy (top_k 1), same thread count; EOS ignored
+unless ``--no-ignore-eos`` (then a request stops at llama.cpp's own end-of-generation tokens)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def llama_cpp_missing(settings: BenchSettings) -> str | None:
 
 
 def run_llama_cpp(kind: str, dataset: str, prompts: list[list[int]], s: BenchSettings) -> tuple[RunResult, list]:
+    import llama_cpp
     from llama_cpp import Llama
 
     from specfork.loading.resolve import resolve_checkpoint
@@ -41,12 +43,13 @@ def run_llama_cpp(kind: str, dataset: str, prompts: list[list[int]], s: BenchSet
     n_ctx = max(len(p) for p in prompts) + s.output_len + 16
     threads = s.threads or torch.get_num_threads()
     llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, verbose=False, **kwargs)
+    vocab = llm._model.vocab
 
     def generate(ids: list[int], n: int) -> list[int]:
         out = []
         for token in llm.generate(ids, top_k=1, temp=0.0, reset=True):
             out.append(int(token))
-            if len(out) == n:
+            if len(out) == n or (not s.ignore_eos and llama_cpp.llama_vocab_is_eog(vocab, token)):
                 break
         return out
 

@@ -1,5 +1,6 @@
 """transformers ``generate`` on the same checkpoint (a GGUF dequantized to fp32): AR, prompt
-lookup and assisted generation (with the same draft) at batch 1; AR on left-padded batches."""
+lookup and assisted generation (with the same draft) at batch 1; AR on left-padded batches. EOS is
+ignored (every request makes ``output_len`` tokens) unless ``--no-ignore-eos``."""
 
 from __future__ import annotations
 
@@ -28,7 +29,9 @@ def run_transformers(kind: str, dataset: str, prompts: list[list[int]], s: Bench
     from specfork.loading.resolve import resolve_checkpoint, resolve_draft
 
     model = _load(s.model)
-    kwargs = dict(do_sample=s.temperature > 0, max_new_tokens=s.output_len, min_new_tokens=s.output_len,
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    kwargs = dict(do_sample=s.temperature > 0, max_new_tokens=s.output_len,
                   pad_token_id=model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0)
     if s.temperature > 0:
         kwargs["temperature"] = s.temperature
@@ -37,16 +40,23 @@ def run_transformers(kind: str, dataset: str, prompts: list[list[int]], s: Bench
     elif kind == "assisted":
         kwargs["assistant_model"] = _load(resolve_draft(s.draft, resolve_checkpoint(s.model), heads=False))
 
+    def lengths(n: int) -> dict:
+        return {"max_new_tokens": n, **({"min_new_tokens": n} if s.ignore_eos else {})}
+
+    def to_eos(out: list[int]) -> list[int]:  # a finished row of a batch is padded after its EOS
+        if s.ignore_eos:
+            return out
+        return next((out[: i + 1] for i, t in enumerate(out) if t in eos), out)
+
     def generate(ids: list[int], n: int) -> list[int]:
-        extra = {} if n == s.output_len else {"max_new_tokens": n, "min_new_tokens": n}
-        return model.generate(torch.tensor([ids]), **{**kwargs, **extra})[0, len(ids) :].tolist()
+        return to_eos(model.generate(torch.tensor([ids]), **{**kwargs, **lengths(n)})[0, len(ids) :].tolist())
 
     def generate_group(group: list[list[int]], n: int) -> list[list[int]]:
         width = max(len(ids) for ids in group)  # left padding, as transformers expects for generation
         ids = torch.tensor([[kwargs["pad_token_id"]] * (width - len(g)) + g for g in group])
         mask = torch.tensor([[0] * (width - len(g)) + [1] * len(g) for g in group])
-        extra = {"max_new_tokens": n, "min_new_tokens": n}
-        return model.generate(ids, attention_mask=mask, **{**kwargs, **extra})[:, width:].tolist()
+        out = model.generate(ids, attention_mask=mask, **{**kwargs, **lengths(n)})[:, width:].tolist()
+        return [to_eos(row) for row in out]
 
     with torch.inference_mode():
         group_generate = generate_group if s.batch_size > 1 else one_at_a_time(generate)
