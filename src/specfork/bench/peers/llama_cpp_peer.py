@@ -43,7 +43,7 @@ def run_llama_cpp(kind: str, dataset: str, prompts: list[list[int]], s: BenchSet
     n_ctx = max(len(p) for p in prompts) + s.output_len + 16
     threads = s.threads or torch.get_num_threads()
     llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, verbose=False, **kwargs)
-    vocab = llm._model.vocab
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
 
     def generate(ids: list[int], n: int) -> list[int]:
         out = []
