@@ -125,6 +125,25 @@ def test_prompt_lookup_first_then_the_corpus_then_the_draft():
     assert ngram.tokens == [[6, 4], [1, 1], []] and ngram.sources == ["lookup", "corpus", None]
 
 
+@pytest.mark.parametrize("corpus_tokens, expected", [(1, [9]), (2, [9, 8]), (4, [9, 8, 7, 6])])
+def test_the_corpus_proposes_at_most_corpus_tokens(corpus_tokens, expected):
+    """A corpus match proposes min(k, corpus_tokens) tokens; a match in the context still k."""
+    corpus = LookupCorpus(np.array(flat([[4, 5, 6, 9, 8, 7, 6, 5]])))
+    seqs = [Sequence(0, [8, 4, 5, 6], SamplingParams(temperature=0.0), torch.Generator()),
+            Sequence(1, [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(temperature=0.0), torch.Generator())]
+    for proposer in (LookupFirstProposer(FixedDraft(), min_n=2, max_n=4, corpus=corpus, corpus_tokens=corpus_tokens),
+                     NgramProposer(min_n=2, max_n=4, corpus=corpus, corpus_tokens=corpus_tokens)):
+        proposal = proposer.propose(seqs, [4, 4])
+        assert proposal.tokens == [expected, [3, 1, 2, 3]]
+        assert proposal.sources == ["corpus", "lookup"]
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True])
+def test_corpus_tokens_must_be_a_positive_integer(value):
+    with pytest.raises(SpecforkError, match="corpus_tokens must be an integer >= 1"):
+        Config(mode="sd", corpus_tokens=value)
+
+
 def _target_corpus(target, tmp_path, prompts, vocab) -> str:
     """A corpus of the target's own greedy continuations, so that it proposes and is often right."""
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
@@ -192,5 +211,8 @@ def test_the_embedded_model_ships_a_corpus_used_by_default(tmp_path):
         resolve_corpus(str(tmp_path / "missing.npz"), embedded)
     with LLM(mode="sd") as llm:
         assert llm.engine.step_strategy.proposer.lookup.corpus is not None
+        assert llm.engine.step_strategy.proposer.lookup.corpus_tokens == 2
+    with LLM(mode="sd", drafter="ngram", corpus_tokens=3) as llm:
+        assert llm.engine.step_strategy.proposer.lookup.corpus_tokens == 3
     with LLM(mode="sd", lookup_corpus="none") as llm:
         assert llm.engine.step_strategy.proposer.lookup.corpus is None

@@ -14,6 +14,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 # head's confidence floor and the n-gram length looked up before drafting.
 DEFAULT_DRAFT_CONFIDENCE = 0.3
 DEFAULT_LOOKUP_FIRST = 2
+DEFAULT_CORPUS_TOKENS = 2
 KV_DTYPES = ("float32", "float16")
 DIST_LAUNCHES = ("local", "torchrun")
 MODES = ("ar", "sd", "ssd")
@@ -101,6 +102,11 @@ class Config:
         "hold no match, look the context's last 8, 6, 4 or 3 tokens up in this corpus of the target's responses "
         "(the lookup_corpus.npz that train-draft writes in its --work-dir) and propose what followed there; 'none': "
         "off (default: the corpus shipped for the target, if any: the embedded model has one)", group=SPECULATIVE)
+    corpus_tokens: int = option(
+        DEFAULT_CORPUS_TOKENS, "the most tokens a round proposes from the lookup corpus (at most --k; prompt lookup's "
+        "matches in the context itself still propose --k): a corpus match is accepted far less often (0.13-0.14 of "
+        "5 proposed tokens on the embedded model), so its later tokens mostly cost verify rows (default: 2, "
+        "measured on the embedded model)", group=SPECULATIVE)
     deterministic: bool = option(False, "batch-invariant kernels: greedy SD/SSD output is bit-identical to AR "
                                  "output (the default fast mode may differ at numerical near-ties; slower)",
                                  group=SPECULATIVE)
@@ -238,6 +244,9 @@ class Config:
                                 "n-gram looked up")
 
     def _check_lookup_corpus(self) -> None:
+        n = self.corpus_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise SpecforkError(f"corpus_tokens must be an integer >= 1, got {n!r}")
         corpus = self.lookup_corpus
         if corpus is None or corpus == "none":
             return

@@ -12,7 +12,8 @@ COLUMNS = ("run", "dataset", "tok/s", "min-max", "vs AR", "accept len", "hit rat
 
 def _label(r: dict) -> str:
     st = r["settings"]
-    extra = {k: st.get(k) for k in ("k", "draft_confidence", "lookup_first", "lookup_corpus", "fan_out", "backup")}
+    extra = {k: st.get(k) for k in ("k", "draft_confidence", "lookup_first", "lookup_corpus", "corpus_tokens",
+                                    "fan_out", "backup")}
     if st.get("tensor_parallel_size", 1) != 1:
         extra["tp"] = st["tensor_parallel_size"]
     if st.get("weights"):

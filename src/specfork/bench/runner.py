@@ -67,14 +67,18 @@ def _engine_options(mode: str, s: BenchSettings) -> dict:
                        lookup_first=s.lookup_first)
         config = Config(model=s.model, **options)
         if config.prompt_lookup:
-            options.update(lookup_corpus=s.lookup_corpus)
+            options.update(lookup_corpus=s.lookup_corpus, **_corpus_tokens(s))
     elif mode == "ngram":
-        options.update(mode="sd", drafter="ngram", k=s.k, lookup_corpus=s.lookup_corpus)
+        options.update(mode="sd", drafter="ngram", k=s.k, lookup_corpus=s.lookup_corpus, **_corpus_tokens(s))
     elif mode == "ssd":
         options.update(mode="ssd", draft=s.draft, k=s.k, fan_out=s.fan_out, backup=s.backup, threads=None,
                        target_cores=s.target_cores, draft_cores=s.draft_cores,
                        drafter_rank=s.tensor_parallel_size if s.ssd_drafter == "rank" else None)
     return options
+
+
+def _corpus_tokens(s: BenchSettings) -> dict:
+    return {} if s.corpus_tokens is None else {"corpus_tokens": s.corpus_tokens}
 
 
 def run_specfork(mode: str, dataset: str, prompts: list[list[int]], s: BenchSettings, progress=None) -> tuple[RunResult, list]:
@@ -154,6 +158,9 @@ def _cell_settings(mode: str, s: BenchSettings) -> dict:
         corpus = resolve_corpus(config.lookup_corpus, resolve_checkpoint(s.model))
         shown["lookup_corpus"] = corpus.stem if corpus is not None else "none"
         keep |= {"lookup_corpus"}
+        if corpus is not None:
+            shown["corpus_tokens"] = config.corpus_tokens
+            keep |= {"corpus_tokens"}
     if mode == "ssd":
         keep |= {"fan_out", "backup"} | ({"ssd_drafter"} if s.ssd_drafter != "process" else set())
     if s.tensor_parallel_size != 1:

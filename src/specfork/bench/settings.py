@@ -13,7 +13,7 @@ MODES = ("ar", "sd", "ssd", "ngram")
 DATASETS = ("humaneval", "sharegpt", "random")
 PEERS = ("transformers", "llama.cpp")
 SSD_DRAFTERS = ("process", "rank")
-SWEEPABLE = {"k": int_or_auto, "draft_confidence": float, "lookup_first": int, "lookup_corpus": str, "fan_out": int, "temperature": float, "input_len": int,
+SWEEPABLE = {"k": int_or_auto, "draft_confidence": float, "lookup_first": int, "lookup_corpus": str, "corpus_tokens": int, "fan_out": int, "temperature": float, "input_len": int,
              "batch_size": int, "dataset": str, "tensor_parallel_size": int, "ssd_drafter": str, "weights": str}
 
 
@@ -49,6 +49,8 @@ class BenchSettings:
     lookup_corpus: str | None = option(None, "sd (with lookup first) and ngram: prompt lookup's corpus of the "
                                        "target's responses, a path or none (default: the engine's, the corpus "
                                        "shipped for the embedded model)")
+    corpus_tokens: int | None = option(None, "sd (with lookup first) and ngram: the most tokens a round proposes "
+                                       "from the lookup corpus (default: the engine's, 2)")
     fan_out: int = option(3, "SSD fan-out per outcome")
     backup: str = option("jit", "SSD cache-miss backup", choices=SSD_BACKUPS)
     batch_size: int = option(1, "concurrent requests")

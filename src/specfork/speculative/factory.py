@@ -31,12 +31,13 @@ def build_speculative_step(engine: LLMEngine) -> SpeculativeStep:
     config = engine.config
     corpus = _lookup_corpus(engine) if config.prompt_lookup else None
     if config.drafter == "ngram":
-        proposer = NgramProposer(min_n=config.ngram_min, max_n=config.ngram_max, corpus=corpus)
+        proposer = NgramProposer(min_n=config.ngram_min, max_n=config.ngram_max, corpus=corpus,
+                                 corpus_tokens=config.corpus_tokens)
     else:
         proposer = _proposer(engine, draft_spec(config, engine.loaded))
         if config.lookup_first_n:
             proposer = LookupFirstProposer(proposer, min_n=config.lookup_first_n, max_n=config.ngram_max,
-                                           corpus=corpus)
+                                           corpus=corpus, corpus_tokens=config.corpus_tokens)
     auto_k = None
     if config.auto_k:
         from specfork.config import K_MAX

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from specfork.config import DEFAULT_CORPUS_TOKENS
 from specfork.engine.sequence import Sequence
 from specfork.speculative.corpus import LookupCorpus
 from specfork.speculative.ngram import PromptLookup
@@ -27,9 +28,10 @@ from specfork.speculative.proposer import Proposal, Proposer
 
 
 class LookupFirstProposer:
-    def __init__(self, draft: Proposer, *, min_n: int, max_n: int, corpus: LookupCorpus | None = None) -> None:
+    def __init__(self, draft: Proposer, *, min_n: int, max_n: int, corpus: LookupCorpus | None = None,
+                 corpus_tokens: int = DEFAULT_CORPUS_TOKENS) -> None:
         self.draft = draft
-        self.lookup = PromptLookup(min_n=min_n, max_n=max_n, corpus=corpus)
+        self.lookup = PromptLookup(min_n=min_n, max_n=max_n, corpus=corpus, corpus_tokens=corpus_tokens)
         self.feature_layers = draft.feature_layers
 
     def observe_features(self, seq: Sequence, first_position: int, features: torch.Tensor) -> None:

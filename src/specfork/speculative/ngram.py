@@ -5,6 +5,7 @@ last tokens up in a corpus of the target's earlier responses, if one is loaded
 
 from __future__ import annotations
 
+from specfork.config import DEFAULT_CORPUS_TOKENS
 from specfork.engine.sequence import Sequence
 from specfork.speculative.corpus import LookupCorpus
 from specfork.speculative.proposer import Proposal, ReadsNoFeatures
@@ -67,10 +68,13 @@ class NgramIndex:
 
 class PromptLookup:
     """Prompt lookup for the sequences of a batch: each sequence's :class:`NgramIndex`, and
-    the corpus (if one is loaded) where the context has no match."""
+    the corpus (if one is loaded) where the context has no match, for at most ``corpus_tokens``
+    tokens (a corpus match is accepted far less often than one in the context, so a long
+    proposal from it mostly buys verify rows)."""
 
-    def __init__(self, *, min_n: int, max_n: int, corpus: LookupCorpus | None = None) -> None:
-        self.min_n, self.max_n, self.corpus = min_n, max_n, corpus
+    def __init__(self, *, min_n: int, max_n: int, corpus: LookupCorpus | None = None,
+                 corpus_tokens: int = DEFAULT_CORPUS_TOKENS) -> None:
+        self.min_n, self.max_n, self.corpus, self.corpus_tokens = min_n, max_n, corpus, corpus_tokens
         self._indexes: dict[int, NgramIndex] = {}
 
     def propose(self, seq: Sequence, k: int) -> tuple[list[int], str | None]:
@@ -85,7 +89,7 @@ class PromptLookup:
         if found:
             return found, "lookup"
         if self.corpus is not None:
-            found = self.corpus.propose(seq.token_ids, k)
+            found = self.corpus.propose(seq.token_ids, min(k, self.corpus_tokens))
             if found:
                 return found, "corpus"
         return [], None
@@ -95,8 +99,9 @@ class PromptLookup:
 
 
 class NgramProposer(ReadsNoFeatures):
-    def __init__(self, *, min_n: int, max_n: int, corpus: LookupCorpus | None = None) -> None:
-        self.lookup = PromptLookup(min_n=min_n, max_n=max_n, corpus=corpus)
+    def __init__(self, *, min_n: int, max_n: int, corpus: LookupCorpus | None = None,
+                 corpus_tokens: int = DEFAULT_CORPUS_TOKENS) -> None:
+        self.lookup = PromptLookup(min_n=min_n, max_n=max_n, corpus=corpus, corpus_tokens=corpus_tokens)
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
         found = [self.lookup.propose(s, k) for s, k in zip(seqs, num_tokens, strict=True)]
