@@ -193,6 +193,7 @@ class Config:
             raise SpecforkError(f"ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})")
         self._check_lookup_first()
         self._check_lookup_corpus()
+        _positive("corpus_tokens", self.corpus_tokens)
         if self.draft is not None and (not isinstance(self.draft, str) or not self.draft):
             raise SpecforkError("draft must be a non-empty path or alias")
         if not isinstance(self.deterministic, bool):
@@ -244,9 +245,6 @@ class Config:
                                 "n-gram looked up")
 
     def _check_lookup_corpus(self) -> None:
-        n = self.corpus_tokens
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise SpecforkError(f"corpus_tokens must be an integer >= 1, got {n!r}")
         corpus = self.lookup_corpus
         if corpus is None or corpus == "none":
             return

@@ -67,18 +67,15 @@ def _engine_options(mode: str, s: BenchSettings) -> dict:
                        lookup_first=s.lookup_first)
         config = Config(model=s.model, **options)
         if config.prompt_lookup:
-            options.update(lookup_corpus=s.lookup_corpus, **_corpus_tokens(s))
+            options.update(lookup_corpus=s.lookup_corpus, corpus_tokens=s.corpus_tokens)
     elif mode == "ngram":
-        options.update(mode="sd", drafter="ngram", k=s.k, lookup_corpus=s.lookup_corpus, **_corpus_tokens(s))
+        options.update(mode="sd", drafter="ngram", k=s.k, lookup_corpus=s.lookup_corpus,
+                       corpus_tokens=s.corpus_tokens)
     elif mode == "ssd":
         options.update(mode="ssd", draft=s.draft, k=s.k, fan_out=s.fan_out, backup=s.backup, threads=None,
                        target_cores=s.target_cores, draft_cores=s.draft_cores,
                        drafter_rank=s.tensor_parallel_size if s.ssd_drafter == "rank" else None)
     return options
-
-
-def _corpus_tokens(s: BenchSettings) -> dict:
-    return {} if s.corpus_tokens is None else {"corpus_tokens": s.corpus_tokens}
 
 
 def run_specfork(mode: str, dataset: str, prompts: list[list[int]], s: BenchSettings, progress=None) -> tuple[RunResult, list]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specfork.config import DEFAULT_MODEL, SSD_BACKUPS, WEIGHTS
+from specfork.config import DEFAULT_CORPUS_TOKENS, DEFAULT_MODEL, SSD_BACKUPS, WEIGHTS
 from specfork.errors import SpecforkError
 from specfork.options import comma_list, int_or_auto, option
 
@@ -49,8 +49,8 @@ class BenchSettings:
     lookup_corpus: str | None = option(None, "sd (with lookup first) and ngram: prompt lookup's corpus of the "
                                        "target's responses, a path or none (default: the engine's, the corpus "
                                        "shipped for the embedded model)")
-    corpus_tokens: int | None = option(None, "sd (with lookup first) and ngram: the most tokens a round proposes "
-                                       "from the lookup corpus (default: the engine's, 2)")
+    corpus_tokens: int = option(DEFAULT_CORPUS_TOKENS, "sd (with lookup first) and ngram: the most tokens a round "
+                                "proposes from the lookup corpus")
     fan_out: int = option(3, "SSD fan-out per outcome")
     backup: str = option("jit", "SSD cache-miss backup", choices=SSD_BACKUPS)
     batch_size: int = option(1, "concurrent requests")
