@@ -192,6 +192,22 @@ def test_peer_ratios_compare_within_each_sweep_point():
     assert [line.split()[-1] for line in lines] == ["1.60x", "1.00x", "2.00x", "1.00x"]
 
 
+def test_a_point_without_its_own_peer_run_compares_with_the_peer_run_of_its_workload():
+    """``--sweep "batch_size=1,8;weights=native,native-int8"``: llama.cpp runs once per batch size
+    (points 0 and 2); the int8 points (1, 3) compare with the run of their own batch size."""
+    def row(name, mode, point, batch, tok_per_s, **settings):
+        return {"name": name, "mode": mode, "dataset": "humaneval", "point": point,
+                "settings": {"output_len": 128, "batch_size": batch, **settings},
+                "tok_per_s": tok_per_s, "tok_per_s_min": tok_per_s, "tok_per_s_max": tok_per_s}
+
+    report = {"results": [row("specfork ar", "ar", 0, 1, 200.0), row("llama.cpp AR", "AR", 0, 1, 100.0),
+                          row("specfork ar", "ar", 1, 1, 150.0, weights="native-int8"),
+                          row("specfork ar", "ar", 2, 8, 400.0), row("llama.cpp AR", "AR", 2, 8, 125.0),
+                          row("specfork ar", "ar", 3, 8, 500.0, weights="native-int8")]}
+    lines = format_table(report).splitlines()[2:]
+    assert [line.split()[-1] for line in lines] == ["2.00x", "1.00x", "1.50x", "3.20x", "1.00x", "4.00x"]
+
+
 def test_sweep_grid_and_errors():
     assert parse_sweep("k=2,3;fan_out=1,3") == [
         {"k": 2, "fan_out": 1}, {"k": 2, "fan_out": 3}, {"k": 3, "fan_out": 1}, {"k": 3, "fan_out": 3}]

@@ -79,18 +79,30 @@ def _bandwidth_cells(report: dict, r: dict) -> list[str]:
     return ["-", "-"] if reached is None else [f"{reached:.1f}", f"{reached / read:.0%}"]
 
 
+def _workload(r: dict) -> tuple:
+    """What a peer's run depends on: dataset, batch size, input and output length, temperature."""
+    st = r["settings"]
+    return (r["dataset"], st.get("batch_size", 1), st.get("input_len"), st.get("output_len"),
+            st.get("temperature") or 0.0)
+
+
 def table_rows(report: dict) -> list[list[str]]:
     rows = with_means(report)
-    # Peer columns compare with the peer's AR of the same dataset and sweep point (batch size, ...);
-    # a point without that peer falls back to the peer's first run on the dataset.
+    # Peer columns compare with the peer's AR of the same dataset and sweep point, else of the same
+    # workload (batch size, lengths, temperature: the peer runs once for all points sharing them,
+    # whatever specfork's own settings), else with the peer's first run on the dataset.
     peers: dict[tuple, float] = {}
     for r in rows:
         if r["name"] in peer_baselines(report):
             peers[(r["name"], r["dataset"], r.get("point", 0))] = r["tok_per_s"]
+            peers.setdefault((r["name"], *_workload(r)), r["tok_per_s"])
             peers.setdefault((r["name"], r["dataset"], None), r["tok_per_s"])
 
     def peer_base(name: str, r: dict) -> float | None:
-        return peers.get((name, r["dataset"], r.get("point", 0)), peers.get((name, r["dataset"], None)))
+        for key in ((name, r["dataset"], r.get("point", 0)), (name, *_workload(r)), (name, r["dataset"], None)):
+            if key in peers:
+                return peers[key]
+        return None
 
     # "vs AR" compares with specfork AR of the same sweep point and dataset (peers: of their point).
     ar = {(r["dataset"], r.get("point", 0)): r["tok_per_s"] for r in rows if r["mode"] == "ar" and r["name"] == "specfork ar"}
