@@ -87,12 +87,12 @@ def test_a_mode_that_differs_from_ar_is_reported_as_differing(tiny, monkeypatch)
 
     real = runner.run_specfork
 
-    def ngram_off_by_one(mode, *args, **kwargs):
-        result, tokens = real(mode, *args, **kwargs)
-        if mode == "ngram":  # one output differs from AR in its last token
-            tokens = [list(t) for t in tokens]
-            tokens[0][-1] = (tokens[0][-1] + 1) % 256
-        return result, tokens
+    def ngram_off_by_one(modes, *args, **kwargs):
+        cells = real(modes, *args, **kwargs)
+        for mode, (_, tokens) in zip(modes, cells, strict=True):
+            if mode == "ngram":  # one output differs from AR in its last token
+                tokens[0] = [*tokens[0][:-1], (tokens[0][-1] + 1) % 256]
+        return cells
 
     monkeypatch.setattr(runner, "run_specfork", ngram_off_by_one)
     report = run_benchmark(_settings(tiny, modes=("ar", "ngram"), repeat=1, warmup=0), [{}], progress=False)
@@ -153,7 +153,7 @@ def test_no_ignore_eos_stops_specfork_at_the_eos(tiny, tmp_path):
 
     settings = _settings(tiny, modes=("ar", "sd", "ngram"), repeat=1, warmup=0)
     prompts = random_token_prompts(2, 12, TINY_VOCAB, seed=settings.seed)
-    full = run_specfork("ar", "random", prompts, settings)[1]
+    full = run_specfork(["ar"], "random", prompts, settings)[0][1]
     eos = full[0][3]
     model = _with_eos(tiny, eos, tmp_path)
     report = run_benchmark(replace(settings, model=model, draft=model, ignore_eos=False), [{}], progress=False)
@@ -381,3 +381,52 @@ def test_bench_sweeps_tensor_parallelism_and_the_drafter_rank(tiny, tmp_path, ca
     assert "specfork ssd k=2 fan_out=3 backup=jit tp=2 drafter=rank" in printed
     assert "tensor parallel: specfork ar tp=2 input_len=8, random: 4 sums per forward" in printed
     assert "Tensor parallelism" in (out / "results.md").read_text()
+
+
+def test_configurations_are_timed_interleaved_so_a_drifting_machine_treats_them_alike(monkeypatch):
+    """Two identical configurations on a machine that gets slower with every call: timed one after
+    the other the second would look 2-3x slower; interleaved group by group (A B, B A, ...) they
+    come out level, every group goes through both, and progress counts each."""
+    from specfork.bench import measure
+
+    clock = {"calls": 0}
+    order = []
+
+    def slowing(fn, group):
+        clock["calls"] += 1
+        return fn(group), 0.010 * clock["calls"]  # each call 10 ms slower than the one before
+
+    monkeypatch.setattr(measure, "timed", slowing)
+
+    def generator(name):
+        def generate(group):
+            order.append((name, tuple(map(tuple, group))))
+            return [[7] * 4 for _ in group]
+        return generate
+
+    prompts = [[1], [2], [3], [4]]
+    counted = []
+    s = BenchSettings(model="unused", num_prompts=4, repeat=2, batch_size=1)
+    out = measure.time_interleaved({"a": generator("a"), "b": generator("b")}, prompts, s,
+                                   progress=lambda name, n: counted.append((name, n)))
+    assert [name for name, _ in order[:8]] == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert [group for _, group in order[:4]] == [((1,),), ((1,),), ((2,),), ((2,),)]
+    (speeds_a, outputs_a, latencies_a), (speeds_b, _, _) = out["a"], out["b"]
+    assert len(speeds_a) == len(speeds_b) == 2 and len(outputs_a) == len(latencies_a) == 4
+    for a, b in zip(speeds_a, speeds_b, strict=True):
+        assert a / b == pytest.approx(1.0, abs=0.1)
+    # The same generators one after the other: the drift shows as a speed difference.
+    clock["calls"] = 0
+    first = measure.time_passes(generator("a"), prompts, s)[0]
+    second = measure.time_passes(generator("b"), prompts, s)[0]
+    assert first[0] / second[0] > 2.0
+    assert sum(n for _, n in counted) == 2 * 2 * 4
+
+
+def test_ssd_and_tensor_parallel_modes_are_timed_on_their_own():
+    from specfork.bench.runner import interleaved_groups
+
+    s = BenchSettings(model="unused")
+    assert interleaved_groups(["ar", "sd", "ssd", "ngram"], s) == [["ar", "sd", "ngram"], ["ssd"]]
+    assert interleaved_groups(["ssd"], s) == [["ssd"]]
+    assert interleaved_groups(["ar", "sd"], replace(s, tensor_parallel_size=2)) == [["ar"], ["sd"]]

@@ -1,5 +1,6 @@
 """What one ``specfork bench`` cell records, and the timed loop every engine runs through
-(specfork and its peers alike): ``repeat`` passes over the prompts in groups of ``batch_size``."""
+(specfork and its peers alike): ``repeat`` passes over the prompts in groups of ``batch_size``,
+several configurations interleaved group by group."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specfork.bench.settings import BenchSettings
-from specfork.bench.timing import Stopwatch, median, timed
+from specfork.bench.timing import median, timed
 
 
 @dataclass
@@ -39,24 +40,49 @@ class RunResult:
     sum_share: float | None = None
 
 
-def time_passes(generate_group: Callable[[list[list[int]]], list], prompts: list[list[int]], s: BenchSettings,
-                count: Callable = len, progress=None) -> tuple[list[float], list, list[float]]:
-    """``s.repeat`` timed passes of ``generate_group(prompts[i : i + batch_size])`` over the prompts.
+Progress = Callable[[str, int], None]  # (generator's name, requests done)
 
-    Returns the tokens/s of each pass (``count(output)`` tokens per output over the pass's wall
-    time), the outputs of the last pass, and each of its requests' latency (its group's time)."""
-    speeds, outputs, latencies = [], [], []
+
+def time_interleaved(generators: dict[str, Callable[[list[list[int]]], list]], prompts: list[list[int]],
+                     s: BenchSettings, count: Callable = len,
+                     progress: Progress | None = None) -> dict[str, tuple[list[float], list, list[float]]]:
+    """``s.repeat`` timed passes of every generator over the prompts, interleaved: each group of
+    ``batch_size`` prompts goes through every generator before the next group does, the order
+    reversed from one group to the next (A B C, C B A, ...). A shared machine speeds up and slows
+    down over minutes; run one after the other, a configuration could get a slow minute and
+    another a fast one, and their ratio would show the machine, not the configurations (in one
+    run on a Zen 4, n-gram lookup came out 1.21x faster than SD on ShareGPT where, interleaved,
+    it was 0.90-0.92x). A generator's pass takes the sum of its groups' times.
+
+    Returns per generator: the tokens/s of each pass (``count(output)`` tokens per output), the
+    outputs of its last pass, and each of their requests' latency (its group's time)."""
+    names = list(generators)
+    speeds: dict[str, list[float]] = {name: [] for name in names}
+    last: dict[str, tuple[list, list[float]]] = {}
+    backwards = False
     for _ in range(s.repeat):
-        outputs, latencies = [], []
-        with Stopwatch() as whole:
-            for i in range(0, len(prompts), s.batch_size):
-                group, seconds = timed(generate_group, prompts[i : i + s.batch_size])
-                outputs.extend(group)
-                latencies.extend([seconds] * len(group))
+        outputs: dict[str, list] = {name: [] for name in names}
+        latencies: dict[str, list[float]] = {name: [] for name in names}
+        seconds = dict.fromkeys(names, 0.0)
+        for i in range(0, len(prompts), s.batch_size):
+            for name in reversed(names) if backwards else names:
+                group, took = timed(generators[name], prompts[i : i + s.batch_size])
+                outputs[name].extend(group)
+                latencies[name].extend([took] * len(group))
+                seconds[name] += took
                 if progress is not None:
-                    progress.update(len(group))
-        speeds.append(sum(count(o) for o in outputs) / whole.seconds)
-    return speeds, outputs, latencies
+                    progress(name, len(group))
+            backwards = not backwards
+        for name in names:
+            speeds[name].append(sum(count(o) for o in outputs[name]) / seconds[name])
+        last = {name: (outputs[name], latencies[name]) for name in names}
+    return {name: (speeds[name], *last[name]) for name in names}
+
+
+def time_passes(generate_group: Callable[[list[list[int]]], list], prompts: list[list[int]], s: BenchSettings,
+                count: Callable = len) -> tuple[list[float], list, list[float]]:
+    """:func:`time_interleaved` of one generator."""
+    return time_interleaved({"run": generate_group}, prompts, s, count)["run"]
 
 
 def throughput(speeds: list[float]) -> dict:

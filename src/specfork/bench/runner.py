@@ -2,18 +2,22 @@
 
 Every run records the machine, the exact command and the commit; greedy speculative runs are
 checked token for token against AR (the match rate is printed); warm-up runs are excluded;
-throughput is the median over ``repeat`` runs, with min and max.
+throughput is the median over ``repeat`` runs, with min and max. A sweep point's modes (SSD aside)
+are loaded together and timed interleaved, prompt group by prompt group, so that their ratios do
+not depend on when each ran on a shared machine.
 """
 
 from __future__ import annotations
 
 import logging
+from contextlib import ExitStack
 from dataclasses import asdict, replace
+from functools import partial
 
 import torch
 
 from specfork.bench.machine import decode_steps_per_s, machine_info, read_bandwidth, weight_bytes
-from specfork.bench.measure import RunResult, throughput, time_passes
+from specfork.bench.measure import Progress, RunResult, throughput, time_interleaved
 from specfork.bench.peers import run_peer
 from specfork.bench.settings import SWEEPABLE, BenchSettings
 from specfork.bench.timing import percentiles
@@ -78,22 +82,35 @@ def _engine_options(mode: str, s: BenchSettings) -> dict:
     return options
 
 
-def run_specfork(mode: str, dataset: str, prompts: list[list[int]], s: BenchSettings, progress=None) -> tuple[RunResult, list]:
+def run_specfork(modes: list[str], dataset: str, prompts: list[list[int]], s: BenchSettings,
+                 progress: Progress | None = None) -> list[tuple[RunResult, list]]:
+    """Each of ``modes`` with its own engine, all loaded together and timed interleaved
+    (:func:`time_interleaved`); (result, output token ids) per mode, in order."""
     from specfork import LLM, SamplingParams
-    from specfork.outputs import aggregate_metrics
 
     params = SamplingParams(temperature=s.temperature, max_tokens=s.output_len, ignore_eos=s.ignore_eos, seed=s.seed)
-    with LLM(s.model, **_engine_options(mode, s)) as llm:
-        for _ in range(s.warmup):
-            llm.generate(prompts[: s.batch_size], replace(params, max_tokens=min(16, s.output_len)))
-        parallel = llm.engine.parallel
-        if parallel is not None:
-            parallel.collectives.reset()
-        speeds, outputs, _ = time_passes(lambda group: llm.generate(group, params), prompts, s,
-                                         count=lambda o: len(o.token_ids), progress=progress)
-        sums = _sums(parallel, sum(len(o.token_ids) for o in outputs), speeds)
-        step_bytes = weight_bytes(llm.engine.loaded.model)["weights"] if s.bandwidth and mode == "ar" else None
-        draft_ratio = _draft_step_ratio(llm) if mode == "sd" else None
+    with ExitStack() as stack:
+        llms = {mode: stack.enter_context(LLM(s.model, **_engine_options(mode, s))) for mode in modes}
+        for llm in llms.values():
+            for _ in range(s.warmup):
+                llm.generate(prompts[: s.batch_size], replace(params, max_tokens=min(16, s.output_len)))
+            if llm.engine.parallel is not None:
+                llm.engine.parallel.collectives.reset()
+        timings = time_interleaved({mode: partial(_generate, llm, params) for mode, llm in llms.items()}, prompts, s,
+                                   count=lambda o: len(o.token_ids), progress=progress)
+        return [_result(mode, dataset, s, llms[mode], *timings[mode][:2]) for mode in modes]
+
+
+def _generate(llm, params, group: list[list[int]]) -> list:
+    return llm.generate(group, params)
+
+
+def _result(mode: str, dataset: str, s: BenchSettings, llm, speeds: list[float], outputs: list) -> tuple[RunResult, list]:
+    """The cell of ``mode``: its timed passes and what its engine measured (while it is loaded)."""
+    from specfork.outputs import aggregate_metrics
+
+    sums = _sums(llm.engine.parallel, sum(len(o.token_ids) for o in outputs), speeds)
+    step_bytes = weight_bytes(llm.engine.loaded.model)["weights"] if s.bandwidth and mode == "ar" else None
     agg = aggregate_metrics(outputs)
     result = RunResult(
         name=f"specfork {mode}",
@@ -106,7 +123,7 @@ def run_specfork(mode: str, dataset: str, prompts: list[list[int]], s: BenchSett
         ssd_cache_hit_rate=agg.get("ssd_cache_hit_rate"),
         acceptance_by_position=agg.get("acceptance_by_position"),
         by_source=agg.get("by_source"),
-        draft_step_ratio=draft_ratio,
+        draft_step_ratio=_draft_step_ratio(llm) if mode == "sd" else None,
         ssd_hidden_fraction=agg.get("ssd_hidden_fraction"),
         latency_s=percentiles([o.metrics["time_s"] for o in outputs]),
         ttft_s=percentiles([o.metrics["ttft_s"] for o in outputs if o.metrics.get("ttft_s") is not None]),
@@ -116,6 +133,24 @@ def run_specfork(mode: str, dataset: str, prompts: list[list[int]], s: BenchSett
     if steps_per_s:
         result.weight_GBps = step_bytes * steps_per_s / 1e9
     return result, [o.token_ids for o in outputs]
+
+
+def _counting(bar, shown: tuple[str, ...]) -> Progress:
+    """Progress on ``bar`` for the requests of the reported modes only (AR may run unreported, as
+    the reference of greedy runs)."""
+    def count(mode: str, requests: int) -> None:
+        if mode in shown:
+            bar.update(requests)
+    return count
+
+
+def interleaved_groups(modes: list[str], s: BenchSettings) -> list[list[str]]:
+    """Which modes are timed together: every mode but SSD in one group (SSD pins the process to
+    its target's cores while its drafter runs, and the drafter takes the others), each alone
+    under tensor parallelism (one torch.distributed world per process)."""
+    together = [m for m in modes if m != "ssd"] if s.tensor_parallel_size == 1 else []
+    return ([together] if together else []) + [[m] for m in modes if m not in together]
+
 
 
 def _sums(parallel, tokens: int, speeds: list[float]) -> dict:
@@ -198,16 +233,17 @@ def run_benchmark(settings: BenchSettings, sweep: list[dict], progress: bool = T
         # Greedy runs are checked against AR, so AR runs first even when it is not reported.
         order = (["ar"] if greedy or "ar" in point.modes else []) + [m for m in point.modes if m != "ar"]
         reference = None
-        for mode in order:
-            reported = mode in point.modes
-            result, tokens = run_specfork(mode, dataset, prompts, point, bar if reported else None)
-            if mode == "ar":
-                reference = tokens
-            if greedy and mode != "ar":  # AR is the reference: comparing it with itself says nothing
-                result.match_ar = _match_rate(tokens, reference)
-            result.point = index
-            if reported:
-                results.append(result)
+        cell: dict[str, RunResult] = {}
+        for group in interleaved_groups(order, point):
+            timed_cells = run_specfork(group, dataset, prompts, point, _counting(bar, point.modes))
+            for mode, (result, tokens) in zip(group, timed_cells, strict=True):
+                if mode == "ar":
+                    reference = tokens
+                if greedy and mode != "ar":  # AR is the reference: comparing it with itself says nothing
+                    result.match_ar = _match_rate(tokens, reference)
+                result.point = index
+                cell[mode] = result
+        results.extend(cell[mode] for mode in order if mode in point.modes)
         for peer in point.peers:
             key = (peer, dataset, point.input_len, point.output_len, point.temperature, point.batch_size)
             if key in peers_done:
