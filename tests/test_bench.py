@@ -88,11 +88,11 @@ def test_a_mode_that_differs_from_ar_is_reported_as_differing(tiny, monkeypatch)
     real = runner.run_specfork
 
     def ngram_off_by_one(modes, *args, **kwargs):
-        cells = real(modes, *args, **kwargs)
+        cells, peers = real(modes, *args, **kwargs)
         for mode, (_, tokens) in zip(modes, cells, strict=True):
             if mode == "ngram":  # one output differs from AR in its last token
                 tokens[0] = [*tokens[0][:-1], (tokens[0][-1] + 1) % 256]
-        return cells
+        return cells, peers
 
     monkeypatch.setattr(runner, "run_specfork", ngram_off_by_one)
     report = run_benchmark(_settings(tiny, modes=("ar", "ngram"), repeat=1, warmup=0), [{}], progress=False)
@@ -153,7 +153,7 @@ def test_no_ignore_eos_stops_specfork_at_the_eos(tiny, tmp_path):
 
     settings = _settings(tiny, modes=("ar", "sd", "ngram"), repeat=1, warmup=0)
     prompts = random_token_prompts(2, 12, TINY_VOCAB, seed=settings.seed)
-    full = run_specfork(["ar"], "random", prompts, settings)[0][1]
+    full = run_specfork(["ar"], "random", prompts, settings)[0][0][1]
     eos = full[0][3]
     model = _with_eos(tiny, eos, tmp_path)
     report = run_benchmark(replace(settings, model=model, draft=model, ignore_eos=False), [{}], progress=False)
@@ -430,3 +430,26 @@ def test_ssd_and_tensor_parallel_modes_are_timed_on_their_own():
     assert interleaved_groups(["ar", "sd", "ssd", "ngram"], s) == [["ar", "sd", "ngram"], ["ssd"]]
     assert interleaved_groups(["ssd"], s) == [["ssd"]]
     assert interleaved_groups(["ar", "sd"], replace(s, tensor_parallel_size=2)) == [["ar"], ["sd"]]
+
+
+def test_peers_are_timed_interleaved_with_the_modes_but_not_with_ssd(tiny, monkeypatch):
+    """The transformers peer's runs go through the same interleaved loop as specfork's AR and
+    n-gram modes; SSD's own loop holds SSD alone."""
+    from specfork.bench import runner
+
+    calls = []
+    real = runner.time_interleaved
+
+    def recording(generators, *args, **kwargs):
+        calls.append(list(generators))
+        return real(generators, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "time_interleaved", recording)
+    settings = _settings(tiny, modes=("ar", "ssd", "ngram"), repeat=1, warmup=0, peers=("transformers",))
+    report = run_benchmark(settings, [{}], progress=False)
+    assert calls == [["ar", "ngram", "transformers AR", "transformers prompt-lookup", "transformers assisted"],
+                     ["ssd"]]
+    assert [r["name"] for r in report["results"]] == [
+        "specfork ar", "specfork ssd", "specfork ngram", "transformers AR", "transformers prompt-lookup",
+        "transformers assisted"]
+    assert all(r["tokens"] > 0 for r in report["results"])

@@ -2,14 +2,15 @@
 
 Every run records the machine, the exact command and the commit; greedy speculative runs are
 checked token for token against AR (the match rate is printed); warm-up runs are excluded;
-throughput is the median over ``repeat`` runs, with min and max. A sweep point's modes (SSD aside)
-are loaded together and timed interleaved, prompt group by prompt group, so that their ratios do
-not depend on when each ran on a shared machine.
+throughput is the median over ``repeat`` runs, with min and max. A sweep point's modes and peers
+(SSD and tensor parallelism aside) are loaded together and timed interleaved, prompt group by
+prompt group, so that their ratios do not depend on when each ran on a shared machine.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, replace
 from functools import partial
@@ -18,7 +19,8 @@ import torch
 
 from specfork.bench.machine import decode_steps_per_s, machine_info, read_bandwidth, weight_bytes
 from specfork.bench.measure import Progress, RunResult, throughput, time_interleaved
-from specfork.bench.peers import run_peer
+from specfork.bench.peers import peer_runs
+from specfork.bench.peers.common import GenerateGroup, PeerRun, peer_result, warm_up
 from specfork.bench.settings import SWEEPABLE, BenchSettings
 from specfork.bench.timing import percentiles
 from specfork.config import Config
@@ -83,9 +85,11 @@ def _engine_options(mode: str, s: BenchSettings) -> dict:
 
 
 def run_specfork(modes: list[str], dataset: str, prompts: list[list[int]], s: BenchSettings,
-                 progress: Progress | None = None) -> list[tuple[RunResult, list]]:
-    """Each of ``modes`` with its own engine, all loaded together and timed interleaved
-    (:func:`time_interleaved`); (result, output token ids) per mode, in order."""
+                 progress: Progress | None = None,
+                 peers: Sequence[PeerRun] = ()) -> tuple[list[tuple[RunResult, list]], list[tuple[RunResult, list]]]:
+    """Each of ``modes`` with its own engine, and each of ``peers``, all loaded together and timed
+    interleaved (:func:`time_interleaved`); (result, output token ids) per mode and per peer, in
+    order."""
     from specfork import LLM, SamplingParams
 
     params = SamplingParams(temperature=s.temperature, max_tokens=s.output_len, ignore_eos=s.ignore_eos, seed=s.seed)
@@ -96,13 +100,28 @@ def run_specfork(modes: list[str], dataset: str, prompts: list[list[int]], s: Be
                 llm.generate(prompts[: s.batch_size], replace(params, max_tokens=min(16, s.output_len)))
             if llm.engine.parallel is not None:
                 llm.engine.parallel.collectives.reset()
-        timings = time_interleaved({mode: partial(_generate, llm, params) for mode, llm in llms.items()}, prompts, s,
-                                   count=lambda o: len(o.token_ids), progress=progress)
-        return [_result(mode, dataset, s, llms[mode], *timings[mode][:2]) for mode in modes]
+        loaded = {run.name: stack.enter_context(run.open()) for run in peers}
+        for generate_group in loaded.values():
+            warm_up(generate_group, prompts, s)
+        generators = {mode: partial(_generate, llm, params) for mode, llm in llms.items()}
+        generators |= {name: partial(_generate_peer, generate_group, s.output_len)
+                       for name, generate_group in loaded.items()}
+        timings = time_interleaved(generators, prompts, s, count=_token_count, progress=progress)
+        return ([_result(mode, dataset, s, llms[mode], *timings[mode][:2]) for mode in modes],
+                [peer_result(run, dataset, s, *timings[run.name]) for run in peers])
 
 
 def _generate(llm, params, group: list[list[int]]) -> list:
     return llm.generate(group, params)
+
+
+def _generate_peer(generate_group: GenerateGroup, new_tokens: int, group: list[list[int]]) -> list[list[int]]:
+    return generate_group(group, new_tokens)
+
+
+def _token_count(output) -> int:
+    """Tokens of one output: a specfork RequestOutput, or a peer's list of token ids."""
+    return len(output.token_ids) if hasattr(output, "token_ids") else len(output)
 
 
 def _result(mode: str, dataset: str, s: BenchSettings, llm, speeds: list[float], outputs: list) -> tuple[RunResult, list]:
@@ -151,6 +170,11 @@ def interleaved_groups(modes: list[str], s: BenchSettings) -> list[list[str]]:
     together = [m for m in modes if m != "ssd"] if s.tensor_parallel_size == 1 else []
     return ([together] if together else []) + [[m] for m in modes if m not in together]
 
+
+def peers_join(group: list[str], s: BenchSettings) -> bool:
+    """Peers are timed interleaved with the modes timed together (not beside SSD, whose drafter
+    takes the other cores, nor a tensor-parallel world)."""
+    return bool(group) and "ssd" not in group and s.tensor_parallel_size == 1
 
 
 def _sums(parallel, tokens: int, speeds: list[float]) -> dict:
@@ -226,16 +250,29 @@ def run_benchmark(settings: BenchSettings, sweep: list[dict], progress: bool = T
     bar = tqdm(total=total, desc="bench", unit="req", disable=not progress)
     results: list[RunResult] = []
     notes: list[str] = []
-    peers_done: set[tuple] = set()  # peers do not depend on k, fan-out or the draft: run them once
+    peers_done: set[tuple] = set()
     for index, point, dataset in cells:
         prompts = prompt_sets[(dataset, point.input_len, point.num_prompts)]
         greedy = point.temperature == 0
         # Greedy runs are checked against AR, so AR runs first even when it is not reported.
         order = (["ar"] if greedy or "ar" in point.modes else []) + [m for m in point.modes if m != "ar"]
         reference = None
+        peers = []
+        for peer in point.peers:  # peers do not depend on k, fan-out or the draft: run them once
+            key = (peer, dataset, point.input_len, point.output_len, point.temperature, point.batch_size)
+            if key not in peers_done:
+                peers_done.add(key)
+                peers += peer_runs(peer, prompts, point, lambda text: _note(notes, text))
+        groups = interleaved_groups(order, point)
+        with_peers = 0 if peers_join(groups[0], point) else len(groups)
+        if peers and with_peers == len(groups):
+            groups.append([])  # the peers on their own
         cell: dict[str, RunResult] = {}
-        for group in interleaved_groups(order, point):
-            timed_cells = run_specfork(group, dataset, prompts, point, _counting(bar, point.modes))
+        peer_cells: list[tuple[RunResult, list]] = []
+        for i, group in enumerate(groups):
+            timed_cells, timed_peers = run_specfork(group, dataset, prompts, point, _counting(bar, point.modes),
+                                                    peers if i == with_peers else ())
+            peer_cells += timed_peers
             for mode, (result, tokens) in zip(group, timed_cells, strict=True):
                 if mode == "ar":
                     reference = tokens
@@ -244,16 +281,11 @@ def run_benchmark(settings: BenchSettings, sweep: list[dict], progress: bool = T
                 result.point = index
                 cell[mode] = result
         results.extend(cell[mode] for mode in order if mode in point.modes)
-        for peer in point.peers:
-            key = (peer, dataset, point.input_len, point.output_len, point.temperature, point.batch_size)
-            if key in peers_done:
-                continue
-            peers_done.add(key)
-            for result, tokens in run_peer(peer, dataset, prompts, point, lambda text: _note(notes, text)):
-                if greedy:
-                    result.match_ar = _match_rate(tokens, reference)
-                result.point = index
-                results.append(result)
+        for result, tokens in peer_cells:
+            if greedy:
+                result.match_ar = _match_rate(tokens, reference)
+            result.point = index
+            results.append(result)
     bar.close()
     machine = machine_info()
     if bandwidth is not None:  # the machine's bandwidth varies from one minute to the next: keep the higher

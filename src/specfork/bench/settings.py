@@ -63,7 +63,7 @@ class BenchSettings:
                           choices=WEIGHTS)
     device: str = option("cpu", "specfork runs: the engine's device, cpu or cuda[:N] (peers run on the CPU)")
     threads: int | None = option(None, "torch threads for AR/SD and peers (default: torch's)")
-    repeat: int = option(1, "timed runs; the median is reported (a point's specfork modes, SSD aside, are "
+    repeat: int = option(1, "timed runs; the median is reported (a point's modes and peers, SSD aside, are "
                          "timed interleaved, prompt group by prompt group)")
     warmup: int = option(1, "untimed warm-up runs")
     peers: tuple[str, ...] = option((), f"comma list of {', '.join(PEERS)}", parse=comma_list)

@@ -1,8 +1,11 @@
-"""What every peer shares: its warm-up and timing, exactly as specfork's own runs are timed."""
+"""What every peer shares: a loaded peer as one ``generate_group`` function, its warm-up, and its
+cell, timed exactly as specfork's runs are (alone, or interleaved with them)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 
 from specfork.bench.measure import RunResult, throughput, time_passes
 from specfork.bench.settings import BenchSettings
@@ -11,19 +14,39 @@ from specfork.bench.timing import percentiles
 GenerateGroup = Callable[[list[list[int]], int], list[list[int]]]  # (prompts, new tokens) -> new token ids
 
 
-def time_peer(name: str, kind: str, dataset: str, prompts: list[list[int]], s: BenchSettings,
-              generate_group: GenerateGroup) -> tuple[RunResult, list]:
-    """Warm up, then time ``generate_group(prompts[i : i + batch_size], output_len)`` over the prompts
-    ``repeat`` times (as specfork's runs are timed); a request's latency is its group's."""
+@dataclass(frozen=True)
+class PeerRun:
+    """One peer configuration: its name ("llama.cpp AR"), its kind ("AR") and ``open()``, which
+    loads it for as long as the context lasts and yields its ``generate_group``."""
+
+    name: str
+    kind: str
+    open: Callable[[], AbstractContextManager[GenerateGroup]]
+
+
+def warm_up(generate_group: GenerateGroup, prompts: list[list[int]], s: BenchSettings) -> None:
     for _ in range(s.warmup):
         generate_group(prompts[: s.batch_size], 8)
-    speeds, outputs, latencies = time_passes(lambda group: generate_group(group, s.output_len), prompts, s)
+
+
+def peer_result(run: PeerRun, dataset: str, s: BenchSettings, speeds: list[float], outputs: list[list[int]],
+                latencies: list[float]) -> tuple[RunResult, list]:
+    """The cell of ``run``'s timed passes; a request's latency is its group's."""
     settings = {"output_len": s.output_len, **({"batch_size": s.batch_size} if s.batch_size > 1 else {})}
-    result = RunResult(name=name, mode=kind, dataset=dataset, settings=settings, **throughput(speeds),
+    result = RunResult(name=run.name, mode=run.kind, dataset=dataset, settings=settings, **throughput(speeds),
                        tokens=sum(len(o) for o in outputs), latency_s=percentiles(latencies))
     return result, outputs
 
 
+def time_peer(run: PeerRun, dataset: str, prompts: list[list[int]], s: BenchSettings) -> tuple[RunResult, list]:
+    """``run`` on its own: warm up, then ``repeat`` passes of ``generate_group(prompts[i : i +
+    batch_size], output_len)`` over the prompts."""
+    with run.open() as generate_group:
+        warm_up(generate_group, prompts, s)
+        timed = time_passes(lambda group: generate_group(group, s.output_len), prompts, s)
+    return peer_result(run, dataset, s, *timed)
+
+
 def one_at_a_time(generate: Callable[[list[int], int], list[int]]) -> GenerateGroup:
-    """A peer's single-sequence ``generate(ids, n)`` as a ``generate_group`` for :func:`time_peer`."""
+    """A peer's single-sequence ``generate(ids, n)`` as a ``generate_group``."""
     return lambda group, n: [generate(ids, n) for ids in group]

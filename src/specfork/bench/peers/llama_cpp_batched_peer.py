@@ -6,17 +6,29 @@ only, so this is how llama.cpp runs batched."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from specfork.bench.measure import RunResult
-from specfork.bench.peers.common import time_peer
+from specfork.bench.peers.common import GenerateGroup, PeerRun, time_peer
 from specfork.bench.settings import BenchSettings
 
 KINDS = ("AR",)
 
 
-def run_llama_cpp_batched(kind: str, dataset: str, prompts: list[list[int]], s: BenchSettings) -> tuple[RunResult, list]:
+def llama_cpp_batched_run(kind: str, prompts: list[list[int]], s: BenchSettings) -> PeerRun:
     """llama.cpp ``kind`` (AR), ``batch_size`` sequences per batched decode (module docstring)."""
+    return PeerRun(f"llama.cpp {kind}", kind, lambda: _loaded(prompts, s))
+
+
+def run_llama_cpp_batched(kind: str, dataset: str, prompts: list[list[int]], s: BenchSettings) -> tuple[RunResult, list]:
+    return time_peer(llama_cpp_batched_run(kind, prompts, s), dataset, prompts, s)
+
+
+@contextmanager
+def _loaded(prompts: list[list[int]], s: BenchSettings) -> Iterator[GenerateGroup]:
     import llama_cpp as lc
     import numpy as np
 
@@ -72,7 +84,7 @@ def run_llama_cpp_batched(kind: str, dataset: str, prompts: list[list[int]], s: 
         return outputs
 
     try:
-        return time_peer(f"llama.cpp {kind}", kind, dataset, prompts, s, generate_group)
+        yield generate_group
     finally:
         lc.llama_batch_free(batch)
         lc.llama_free(ctx)

@@ -4,10 +4,13 @@ unless ``--no-ignore-eos`` (then a request stops at llama.cpp's own end-of-gener
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from specfork.bench.measure import RunResult
-from specfork.bench.peers.common import one_at_a_time, time_peer
+from specfork.bench.peers.common import GenerateGroup, PeerRun, one_at_a_time, time_peer
 from specfork.bench.settings import BenchSettings
 
 KINDS = ("AR", "prompt-lookup")
@@ -28,29 +31,41 @@ def llama_cpp_missing(settings: BenchSettings) -> str | None:
     return None
 
 
+def llama_cpp_run(kind: str, prompts: list[list[int]], s: BenchSettings) -> PeerRun:
+    """llama.cpp ``kind`` (AR or prompt-lookup), one request at a time."""
+    @contextmanager
+    def loaded() -> Iterator[GenerateGroup]:
+        import llama_cpp
+        from llama_cpp import Llama
+
+        from specfork.loading.resolve import resolve_checkpoint
+
+        path = str(resolve_checkpoint(s.model).path)
+        kwargs = {}
+        if kind == "prompt-lookup":
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+            kwargs["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=10)
+        n_ctx = max(len(p) for p in prompts) + s.output_len + 16
+        threads = s.threads or torch.get_num_threads()
+        llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, verbose=False, **kwargs)
+        vocab = llama_cpp.llama_model_get_vocab(llm.model)
+
+        def generate(ids: list[int], n: int) -> list[int]:
+            out = []
+            for token in llm.generate(ids, top_k=1, temp=0.0, reset=True):
+                out.append(int(token))
+                if len(out) == n or (not s.ignore_eos and llama_cpp.llama_vocab_is_eog(vocab, token)):
+                    break
+            return out
+
+        try:
+            yield one_at_a_time(generate)
+        finally:
+            llm.close()
+
+    return PeerRun(f"llama.cpp {kind}", kind, loaded)
+
+
 def run_llama_cpp(kind: str, dataset: str, prompts: list[list[int]], s: BenchSettings) -> tuple[RunResult, list]:
-    import llama_cpp
-    from llama_cpp import Llama
-
-    from specfork.loading.resolve import resolve_checkpoint
-
-    path = str(resolve_checkpoint(s.model).path)
-    kwargs = {}
-    if kind == "prompt-lookup":
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
-        kwargs["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=10)
-    n_ctx = max(len(p) for p in prompts) + s.output_len + 16
-    threads = s.threads or torch.get_num_threads()
-    llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, verbose=False, **kwargs)
-    vocab = llama_cpp.llama_model_get_vocab(llm.model)
-
-    def generate(ids: list[int], n: int) -> list[int]:
-        out = []
-        for token in llm.generate(ids, top_k=1, temp=0.0, reset=True):
-            out.append(int(token))
-            if len(out) == n or (not s.ignore_eos and llama_cpp.llama_vocab_is_eog(vocab, token)):
-                break
-        return out
-
-    return time_peer(f"llama.cpp {kind}", kind, dataset, prompts, s, one_at_a_time(generate))
+    return time_peer(llama_cpp_run(kind, prompts, s), dataset, prompts, s)

@@ -4,10 +4,13 @@ ignored (every request makes ``output_len`` tokens) unless ``--no-ignore-eos``."
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from specfork.bench.measure import RunResult
-from specfork.bench.peers.common import one_at_a_time, time_peer
+from specfork.bench.peers.common import GenerateGroup, PeerRun, one_at_a_time, time_peer
 from specfork.bench.settings import BenchSettings
 
 KINDS = ("AR", "prompt-lookup", "assisted")
@@ -25,7 +28,17 @@ def _load(name: str):
     return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
 
 
+def transformers_run(kind: str, s: BenchSettings) -> PeerRun:
+    """transformers ``kind`` (AR, prompt-lookup or assisted; batched: AR)."""
+    return PeerRun(f"transformers {kind}", kind, lambda: _loaded(kind, s))
+
+
 def run_transformers(kind: str, dataset: str, prompts: list[list[int]], s: BenchSettings) -> tuple[RunResult, list]:
+    return time_peer(transformers_run(kind, s), dataset, prompts, s)
+
+
+@contextmanager
+def _loaded(kind: str, s: BenchSettings) -> Iterator[GenerateGroup]:
     from specfork.loading.resolve import resolve_checkpoint, resolve_draft
 
     model = _load(s.model)
@@ -48,9 +61,11 @@ def run_transformers(kind: str, dataset: str, prompts: list[list[int]], s: Bench
             return out
         return next((out[: i + 1] for i, t in enumerate(out) if t in eos), out)
 
+    @torch.inference_mode()
     def generate(ids: list[int], n: int) -> list[int]:
         return to_eos(model.generate(torch.tensor([ids]), **{**kwargs, **lengths(n)})[0, len(ids) :].tolist())
 
+    @torch.inference_mode()
     def generate_group(group: list[list[int]], n: int) -> list[list[int]]:
         width = max(len(ids) for ids in group)  # left padding, as transformers expects for generation
         ids = torch.tensor([[kwargs["pad_token_id"]] * (width - len(g)) + g for g in group])
@@ -58,6 +73,4 @@ def run_transformers(kind: str, dataset: str, prompts: list[list[int]], s: Bench
         out = model.generate(ids, attention_mask=mask, **{**kwargs, **lengths(n)})[:, width:].tolist()
         return [to_eos(row) for row in out]
 
-    with torch.inference_mode():
-        group_generate = generate_group if s.batch_size > 1 else one_at_a_time(generate)
-        return time_peer(f"transformers {kind}", kind, dataset, prompts, s, group_generate)
+    yield generate_group if s.batch_size > 1 else one_at_a_time(generate)
