@@ -85,7 +85,7 @@ def test_bench_writes_json_markdown_and_plots(tiny, tmp_path, monkeypatch):
 def test_a_mode_that_differs_from_ar_is_reported_as_differing(tiny, monkeypatch):
     from specfork.bench import runner
 
-    real = runner.run_specfork
+    real = runner.run_interleaved
 
     def ngram_off_by_one(modes, *args, **kwargs):
         cells, peers = real(modes, *args, **kwargs)
@@ -94,7 +94,7 @@ def test_a_mode_that_differs_from_ar_is_reported_as_differing(tiny, monkeypatch)
                 tokens[0] = [*tokens[0][:-1], (tokens[0][-1] + 1) % 256]
         return cells, peers
 
-    monkeypatch.setattr(runner, "run_specfork", ngram_off_by_one)
+    monkeypatch.setattr(runner, "run_interleaved", ngram_off_by_one)
     report = run_benchmark(_settings(tiny, modes=("ar", "ngram"), repeat=1, warmup=0), [{}], progress=False)
     rows = {r["mode"]: r for r in report["results"]}
     assert rows["ar"]["match_ar"] is None and rows["ngram"]["match_ar"] == 0.5  # 1 of 2 prompts equal
@@ -148,12 +148,12 @@ def _to_eos(out: list[int], eos: int) -> list[int]:
 def test_no_ignore_eos_stops_specfork_at_the_eos(tiny, tmp_path):
     """With --no-ignore-eos a request ends at its EOS in every specfork mode; the tiny model's EOS
     is made the 4th token AR produces for the first prompt."""
-    from specfork.bench.runner import run_specfork
+    from specfork.bench.runner import run_interleaved
     from specfork.datasets import random_token_prompts
 
     settings = _settings(tiny, modes=("ar", "sd", "ngram"), repeat=1, warmup=0)
     prompts = random_token_prompts(2, 12, TINY_VOCAB, seed=settings.seed)
-    full = run_specfork(["ar"], "random", prompts, settings)[0][0][1]
+    full = run_interleaved(["ar"], "random", prompts, settings)[0][0][1]
     eos = full[0][3]
     model = _with_eos(tiny, eos, tmp_path)
     report = run_benchmark(replace(settings, model=model, draft=model, ignore_eos=False), [{}], progress=False)
@@ -169,15 +169,19 @@ def test_no_ignore_eos_stops_specfork_at_the_eos(tiny, tmp_path):
 
 @pytest.mark.parametrize("batch_size", [1, 2])
 def test_no_ignore_eos_stops_the_transformers_peer_at_the_eos(tiny, tmp_path, batch_size):
-    from specfork.bench.peers.transformers_peer import run_transformers
+    from specfork.bench.peers.transformers_peer import transformers_run
+    from specfork.bench.runner import run_interleaved
     from specfork.datasets import random_token_prompts
+
+    def run_peer(s):
+        return run_interleaved([], "random", prompts, s, peers=[transformers_run("AR", s)])[1][0]
 
     settings = _settings(tiny, modes=("ar",), repeat=1, warmup=0, batch_size=batch_size)
     prompts = random_token_prompts(2, 12, TINY_VOCAB, seed=settings.seed)
-    full = run_transformers("AR", "random", prompts, settings)[1]
+    full = run_peer(settings)[1]
     eos = full[0][3]
     model = _with_eos(tiny, eos, tmp_path)
-    result, outs = run_transformers("AR", "random", prompts, replace(settings, model=model, ignore_eos=False))
+    result, outs = run_peer(replace(settings, model=model, ignore_eos=False))
     assert outs == [_to_eos(out, eos) for out in full] and result.tokens < 2 * 10
 
 
@@ -417,8 +421,8 @@ def test_configurations_are_timed_interleaved_so_a_drifting_machine_treats_them_
         assert a / b == pytest.approx(1.0, abs=0.1)
     # The same generators one after the other: the drift shows as a speed difference.
     clock["calls"] = 0
-    first = measure.time_passes(generator("a"), prompts, s)[0]
-    second = measure.time_passes(generator("b"), prompts, s)[0]
+    first = measure.time_interleaved({"a": generator("a")}, prompts, s)["a"][0]
+    second = measure.time_interleaved({"b": generator("b")}, prompts, s)["b"][0]
     assert first[0] / second[0] > 2.0
     assert sum(n for _, n in counted) == 2 * 2 * 4
 
@@ -427,9 +431,9 @@ def test_ssd_and_tensor_parallel_modes_are_timed_on_their_own():
     from specfork.bench.runner import interleaved_groups
 
     s = BenchSettings(model="unused")
-    assert interleaved_groups(["ar", "sd", "ssd", "ngram"], s) == [["ar", "sd", "ngram"], ["ssd"]]
-    assert interleaved_groups(["ssd"], s) == [["ssd"]]
-    assert interleaved_groups(["ar", "sd"], replace(s, tensor_parallel_size=2)) == [["ar"], ["sd"]]
+    assert interleaved_groups(["ar", "sd", "ssd", "ngram"], s) == (["ar", "sd", "ngram"], [["ssd"]])
+    assert interleaved_groups(["ssd"], s) == ([], [["ssd"]])
+    assert interleaved_groups(["ar", "sd"], replace(s, tensor_parallel_size=2)) == ([], [["ar"], ["sd"]])
 
 
 def test_peers_are_timed_interleaved_with_the_modes_but_not_with_ssd(tiny, monkeypatch):

@@ -30,17 +30,18 @@ def test_llama_cpp_stops_at_its_eos_with_no_ignore_eos():
     --no-ignore-eos llama.cpp's runs, one at a time and batched, end there on the EOS."""
     pytest.importorskip("llama_cpp", reason="the optional peer llama-cpp-python is not installed")
     from specfork import LLM
-    from specfork.bench.peers.llama_cpp_batched_peer import run_llama_cpp_batched
-    from specfork.bench.peers.llama_cpp_peer import run_llama_cpp
-    from specfork.bench.runner import load_prompt_ids
+    from specfork.bench.peers.llama_cpp_batched_peer import llama_cpp_batched_run
+    from specfork.bench.peers.llama_cpp_peer import llama_cpp_run
+    from specfork.bench.runner import load_prompt_ids, run_interleaved
 
     settings = BenchSettings(modes=("ar",), datasets=("humaneval",), num_prompts=3, output_len=200, warmup=0,
                              threads=2, ignore_eos=False)
     with LLM(threads=2) as llm:
         prompts = load_prompt_ids(llm, "humaneval", settings)
         eos = llm.engine.eos_token_ids
-    for run, batch_size in ((run_llama_cpp, 1), (run_llama_cpp_batched, 3)):
-        result, outputs = run("AR", "humaneval", prompts, replace(settings, batch_size=batch_size))
+    for peer_run, batch_size in ((llama_cpp_run, 1), (llama_cpp_batched_run, 3)):
+        s = replace(settings, batch_size=batch_size)
+        result, outputs = run_interleaved([], "humaneval", prompts, s, peers=[peer_run("AR", prompts, s)])[1][0]
         for out in outputs:
             assert len(out) == 200 or (out[-1] in eos and not eos & set(out[:-1]))
         assert len(outputs[2]) < 60 and result.tokens == sum(len(out) for out in outputs)

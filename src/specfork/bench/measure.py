@@ -79,12 +79,6 @@ def time_interleaved(generators: dict[str, Callable[[list[list[int]]], list]], p
     return {name: (speeds[name], *last[name]) for name in names}
 
 
-def time_passes(generate_group: Callable[[list[list[int]]], list], prompts: list[list[int]], s: BenchSettings,
-                count: Callable = len) -> tuple[list[float], list, list[float]]:
-    """:func:`time_interleaved` of one generator."""
-    return time_interleaved({"run": generate_group}, prompts, s, count)["run"]
-
-
 def throughput(speeds: list[float]) -> dict:
     """The RunResult fields of a run's per-pass tokens/s: the median, with min and max."""
     return {"tok_per_s": median(speeds), "tok_per_s_min": min(speeds), "tok_per_s_max": max(speeds)}

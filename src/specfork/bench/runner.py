@@ -84,7 +84,7 @@ def _engine_options(mode: str, s: BenchSettings) -> dict:
     return options
 
 
-def run_specfork(modes: list[str], dataset: str, prompts: list[list[int]], s: BenchSettings,
+def run_interleaved(modes: list[str], dataset: str, prompts: list[list[int]], s: BenchSettings,
                  progress: Progress | None = None,
                  peers: Sequence[PeerRun] = ()) -> tuple[list[tuple[RunResult, list]], list[tuple[RunResult, list]]]:
     """Each of ``modes`` with its own engine, and each of ``peers``, all loaded together and timed
@@ -163,18 +163,13 @@ def _counting(bar, shown: tuple[str, ...]) -> Progress:
     return count
 
 
-def interleaved_groups(modes: list[str], s: BenchSettings) -> list[list[str]]:
-    """Which modes are timed together: every mode but SSD in one group (SSD pins the process to
-    its target's cores while its drafter runs, and the drafter takes the others), each alone
-    under tensor parallelism (one torch.distributed world per process)."""
+def interleaved_groups(modes: list[str], s: BenchSettings) -> tuple[list[str], list[list[str]]]:
+    """(the modes timed together, with the peers; the modes timed each on its own): every mode
+    but SSD together (SSD pins the process to its target's cores while its drafter runs, and the
+    drafter takes the others); under tensor parallelism every mode alone (one torch.distributed
+    world per process), and the peers then with no mode."""
     together = [m for m in modes if m != "ssd"] if s.tensor_parallel_size == 1 else []
-    return ([together] if together else []) + [[m] for m in modes if m not in together]
-
-
-def peers_join(group: list[str], s: BenchSettings) -> bool:
-    """Peers are timed interleaved with the modes timed together (not beside SSD, whose drafter
-    takes the other cores, nor a tensor-parallel world)."""
-    return bool(group) and "ssd" not in group and s.tensor_parallel_size == 1
+    return together, [[m] for m in modes if m not in together]
 
 
 def _sums(parallel, tokens: int, speeds: list[float]) -> dict:
@@ -263,15 +258,14 @@ def run_benchmark(settings: BenchSettings, sweep: list[dict], progress: bool = T
             if key not in peers_done:
                 peers_done.add(key)
                 peers += peer_runs(peer, prompts, point, lambda text: _note(notes, text))
-        groups = interleaved_groups(order, point)
-        with_peers = 0 if peers_join(groups[0], point) else len(groups)
-        if peers and with_peers == len(groups):
-            groups.append([])  # the peers on their own
+        together, alone = interleaved_groups(order, point)
         cell: dict[str, RunResult] = {}
         peer_cells: list[tuple[RunResult, list]] = []
-        for i, group in enumerate(groups):
-            timed_cells, timed_peers = run_specfork(group, dataset, prompts, point, _counting(bar, point.modes),
-                                                    peers if i == with_peers else ())
+        for group, group_peers in [(together, peers), *((g, []) for g in alone)]:
+            if not group and not group_peers:
+                continue
+            timed_cells, timed_peers = run_interleaved(group, dataset, prompts, point, _counting(bar, point.modes),
+                                                       group_peers)
             peer_cells += timed_peers
             for mode, (result, tokens) in zip(group, timed_cells, strict=True):
                 if mode == "ar":

@@ -1,5 +1,6 @@
 """What every peer shares: a loaded peer as one ``generate_group`` function, its warm-up, and its
-cell, timed exactly as specfork's runs are (alone, or interleaved with them)."""
+cell. The runner times peers in the same loop as specfork's modes
+(:func:`specfork.bench.runner.run_interleaved`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
-from specfork.bench.measure import RunResult, throughput, time_passes
+from specfork.bench.measure import RunResult, throughput
 from specfork.bench.settings import BenchSettings
 from specfork.bench.timing import percentiles
 
@@ -36,15 +37,6 @@ def peer_result(run: PeerRun, dataset: str, s: BenchSettings, speeds: list[float
     result = RunResult(name=run.name, mode=run.kind, dataset=dataset, settings=settings, **throughput(speeds),
                        tokens=sum(len(o) for o in outputs), latency_s=percentiles(latencies))
     return result, outputs
-
-
-def time_peer(run: PeerRun, dataset: str, prompts: list[list[int]], s: BenchSettings) -> tuple[RunResult, list]:
-    """``run`` on its own: warm up, then ``repeat`` passes of ``generate_group(prompts[i : i +
-    batch_size], output_len)`` over the prompts."""
-    with run.open() as generate_group:
-        warm_up(generate_group, prompts, s)
-        timed = time_passes(lambda group: generate_group(group, s.output_len), prompts, s)
-    return peer_result(run, dataset, s, *timed)
 
 
 def one_at_a_time(generate: Callable[[list[int], int], list[int]]) -> GenerateGroup:

@@ -11,8 +11,7 @@ from contextlib import contextmanager
 
 import torch
 
-from specfork.bench.measure import RunResult
-from specfork.bench.peers.common import GenerateGroup, PeerRun, time_peer
+from specfork.bench.peers.common import GenerateGroup, PeerRun
 from specfork.bench.settings import BenchSettings
 
 KINDS = ("AR",)
@@ -21,10 +20,6 @@ KINDS = ("AR",)
 def llama_cpp_batched_run(kind: str, prompts: list[list[int]], s: BenchSettings) -> PeerRun:
     """llama.cpp ``kind`` (AR), ``batch_size`` sequences per batched decode (module docstring)."""
     return PeerRun(f"llama.cpp {kind}", kind, lambda: _loaded(prompts, s))
-
-
-def run_llama_cpp_batched(kind: str, dataset: str, prompts: list[list[int]], s: BenchSettings) -> tuple[RunResult, list]:
-    return time_peer(llama_cpp_batched_run(kind, prompts, s), dataset, prompts, s)
 
 
 @contextmanager

@@ -9,8 +9,7 @@ from contextlib import contextmanager
 
 import torch
 
-from specfork.bench.measure import RunResult
-from specfork.bench.peers.common import GenerateGroup, PeerRun, one_at_a_time, time_peer
+from specfork.bench.peers.common import GenerateGroup, PeerRun, one_at_a_time
 from specfork.bench.settings import BenchSettings
 
 KINDS = ("AR", "prompt-lookup")
@@ -65,7 +64,3 @@ def llama_cpp_run(kind: str, prompts: list[list[int]], s: BenchSettings) -> Peer
             llm.close()
 
     return PeerRun(f"llama.cpp {kind}", kind, loaded)
-
-
-def run_llama_cpp(kind: str, dataset: str, prompts: list[list[int]], s: BenchSettings) -> tuple[RunResult, list]:
-    return time_peer(llama_cpp_run(kind, prompts, s), dataset, prompts, s)

@@ -9,8 +9,7 @@ from contextlib import contextmanager
 
 import torch
 
-from specfork.bench.measure import RunResult
-from specfork.bench.peers.common import GenerateGroup, PeerRun, one_at_a_time, time_peer
+from specfork.bench.peers.common import GenerateGroup, PeerRun, one_at_a_time
 from specfork.bench.settings import BenchSettings
 
 KINDS = ("AR", "prompt-lookup", "assisted")
@@ -31,10 +30,6 @@ def _load(name: str):
 def transformers_run(kind: str, s: BenchSettings) -> PeerRun:
     """transformers ``kind`` (AR, prompt-lookup or assisted; batched: AR)."""
     return PeerRun(f"transformers {kind}", kind, lambda: _loaded(kind, s))
-
-
-def run_transformers(kind: str, dataset: str, prompts: list[list[int]], s: BenchSettings) -> tuple[RunResult, list]:
-    return time_peer(transformers_run(kind, s), dataset, prompts, s)
 
 
 @contextmanager
