@@ -15,6 +15,7 @@ import torch
 
 from specfork.bench.machine import native_kernels_or_exit
 from specfork.bench.timing import median, timed
+from specfork.layers.attention import new_kv_cache
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, BLOCK = 9, 3, 64, 30, 16
 
@@ -37,7 +38,7 @@ def main() -> None:
         blocks = (ctx + args.max_rows) // BLOCK + 1
         table = torch.arange(blocks).view(1, -1)
         for name, dtype in dtypes.items():
-            caches = [torch.randn(2, blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype) for _ in range(LAYERS)]
+            caches = [new_kv_cache(blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype).normal_(generator=gen) for _ in range(LAYERS)]
             for m in rows:
                 q = torch.randn(m, HEADS, HEAD_DIM, generator=gen)
                 seq, pos = torch.zeros(m, dtype=torch.long), torch.arange(ctx, ctx + m)

@@ -16,13 +16,13 @@ needs_kernel = pytest.mark.skipif(kernels() is None, reason="native kernels need
 
 def _reference(q, cache, tables, seq_of, pos_of, scale):
     out = torch.empty(q.shape, dtype=torch.float64)
-    _, _, bs, hkv, d = cache.shape
+    _, _, hkv, bs, d = cache.shape  # [2, blocks, KV heads, block size, head dim]
     group = q.shape[1] // hkv
     for t in range(q.shape[0]):
         n = int(pos_of[t]) + 1
-        slots = [int(tables[seq_of[t], i // bs]) * bs + i % bs for i in range(n)]
-        keys = cache[0].reshape(-1, hkv, d)[slots].double()  # [n, Hkv, D]
-        values = cache[1].reshape(-1, hkv, d)[slots].double()
+        where = [(int(tables[seq_of[t], i // bs]), i % bs) for i in range(n)]
+        keys = torch.stack([cache[0, b, :, o] for b, o in where]).double()  # [n, Hkv, D]
+        values = torch.stack([cache[1, b, :, o] for b, o in where]).double()
         for h in range(q.shape[1]):
             weights = torch.softmax(keys[:, h // group] @ q[t, h].double() * scale, dim=0)
             out[t, h] = weights @ values[:, h // group]
@@ -32,7 +32,7 @@ def _reference(q, cache, tables, seq_of, pos_of, scale):
 def _case(head_dim, dtype=torch.float32):
     gen = torch.Generator().manual_seed(0)
     num_blocks, bs, hq, hkv = 64, 16, 9, 3
-    cache = torch.randn(2, num_blocks, bs, hkv, head_dim, generator=gen).to(dtype)
+    cache = torch.randn(2, num_blocks, hkv, bs, head_dim, generator=gen).to(dtype)
     tables = torch.randperm(num_blocks, generator=gen)[:60].view(2, 30)  # two sequences, scattered blocks
     # Decode queries of alternating sequences (one chunk, chunk edges, several chunks), then
     # verification windows: 3 queries of sequence 0 across a chunk edge, 10 of sequence 1 (more than
@@ -72,8 +72,7 @@ def test_native_paged_attention_reads_each_querys_own_keys():
     q, cache, tables, seq_of, pos_of = _case(64)
     window = slice(11, 21)  # positions 250..259 of sequence 1
     before = kernels().paged_attention_decode(q[window], cache, tables, seq_of[window], pos_of[window], 0.125)
-    slot = int(tables[1, 259 // 16]) * 16 + 259 % 16
-    cache.view(2, -1, 3, 64)[:, slot] += 1.0
+    cache[:, int(tables[1, 259 // 16]), :, 259 % 16] += 1.0
     after = kernels().paged_attention_decode(q[window], cache, tables, seq_of[window], pos_of[window], 0.125)
     assert torch.equal(after[:-1], before[:-1]) and not torch.equal(after[-1], before[-1])
 
@@ -91,7 +90,7 @@ def test_every_instruction_set_gives_identical_attention(head_dim, heads, kv_hea
     and without GQA (groups across queries)."""
     gen = torch.Generator().manual_seed(head_dim + heads)
     num_blocks, bs = 80, 16
-    cache = torch.randn(2, num_blocks, bs, kv_heads, head_dim, generator=gen).to(dtype)
+    cache = torch.randn(2, num_blocks, kv_heads, bs, head_dim, generator=gen).to(dtype)
     tables = torch.randperm(num_blocks, generator=gen)[:78].view(2, 39)
     positions = [0, 3, 7, 8, 130, 255, 256, 600] + list(range(120, 128)) + [129, 131, 140] + list(range(300, 306))
     seq_of = torch.tensor([i % 2 for i in range(8)] + [0] * 8 + [1] * 3 + [0] * 6)

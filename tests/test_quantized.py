@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType, quants
 from helpers import assert_greedy_match, prefill_logits
 
 from specfork import LLM, SamplingParams
+from specfork.layers.attention import read_kv
 from specfork.layers.cpu_kernels import kernels as native_kernels
 from specfork.layers.linear import DenseLinear, make_linear
 from specfork.layers.quantized import QuantizedLinear, QuantizedWeight, from_gguf_blocks, quantize_int4
@@ -258,7 +259,8 @@ def test_a_prompt_prefilled_in_one_pass_equals_the_prompt_fed_token_by_token(qua
         engine.block_manager.grow(seq, len(seq.token_ids))
 
     def cached(seq):  # the sequence's keys and values, every layer, in position order
-        return [c[:, seq.block_table].flatten(1, 2)[:, :n] for c in runner.kv_caches]
+        table = torch.tensor(seq.block_table)
+        return [torch.stack(read_kv(c, table))[:, :n] for c in runner.kv_caches]
 
     try:
         meta = runner.prepare([seqs[0]], [0], [prompt])[2]

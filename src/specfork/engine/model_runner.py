@@ -8,7 +8,7 @@ import torch
 from specfork.engine.logprobs import record_prompt_logprobs
 from specfork.engine.scheduler import ScheduledBatch
 from specfork.errors import EngineFailure
-from specfork.layers.attention import AttentionMetadata
+from specfork.layers.attention import AttentionMetadata, new_kv_cache
 from specfork.layers.cpu_kernels import kernels as native_kernels
 from specfork.layers.linear import set_batch_invariant
 from specfork.layers.quantized import QuantizedLinear
@@ -50,9 +50,8 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
-        # Zero-filled: masked-out slots are multiplied by 0 in attention, which needs finite values.
         self.kv_caches = [
-            torch.zeros(2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=kv_dtype, device=device)
+            new_kv_cache(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=kv_dtype, device=device)
             for _ in range(cfg.num_layers)
         ]
         self.feature_layers: tuple[int, ...] = ()

@@ -1,9 +1,12 @@
 """Attention over a paged KV cache.
 
-The cache of one layer is a tensor ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
-(keys, then values), in the model's dtype or float16 (``--kv-cache-dtype``: keys and values are
-rounded to it when written and read back exactly as float32). A sequence owns a list of blocks (its block table); token ``i`` of the
-sequence lives in block ``block_table[i // block_size]`` at offset ``i % block_size``.
+The cache of one layer is a tensor ``[2, num_blocks, num_kv_heads, block_size, head_dim]``
+(keys, then values; ``new_kv_cache``), in the model's dtype or float16 (``--kv-cache-dtype``: keys
+and values are rounded to it when written and read back exactly as float32). A sequence owns a
+list of blocks (its block table); token ``i`` of the sequence lives in block
+``block_table[i // block_size]`` at offset ``i % block_size``. Within a block each KV head's keys
+(and values) are contiguous, so attention reads a head's keys as a few streams, not rows strided
+by the other heads (docs/decisions.md).
 
 The native CPU kernel (``csrc/paged_attention.cpp``) serves decode and verification steps and
 prefill passes (a long pass in several calls over its rows, ``ModelRunner``): it reads keys and
@@ -53,11 +56,31 @@ class AttentionMetadata:
     one_call: bool = False
 
 
+def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> torch.Tensor:
+    """One layer's cache, zero-filled: masked-out slots are multiplied by 0 in attention, which
+    needs finite values."""
+    return torch.zeros(2, num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype, device=device)
+
+
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store new keys/values ``[T, Hkv, D]`` at their slots."""
-    _, num_blocks, block_size, hkv, d = cache.shape
-    cache[0].view(num_blocks * block_size, hkv, d).index_copy_(0, slot_mapping, k.to(cache.dtype))
-    cache[1].view(num_blocks * block_size, hkv, d).index_copy_(0, slot_mapping, v.to(cache.dtype))
+    block_size = cache.shape[3]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    cache[0][blocks, :, offsets] = k.to(cache.dtype)
+    cache[1][blocks, :, offsets] = v.to(cache.dtype)
+
+
+def read_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each table's keys and values in token order: ``[*block_tables.shape[:-1], blocks * block_size,
+    Hkv, D]``."""
+    _, _, hkv, block_size, d = cache.shape
+    lead = block_tables.shape[:-1]
+
+    def tokens(half: torch.Tensor) -> torch.Tensor:  # [..., blocks, Hkv, bs, D] -> [..., blocks * bs, Hkv, D]
+        return half[block_tables].transpose(-3, -2).reshape(*lead, -1, hkv, d)
+
+    return tokens(cache[0]), tokens(cache[1])
 
 
 def paged_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -76,9 +99,8 @@ def _gather(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata):
     """Padded queries [B, q_max, Hq, D] and each sequence's keys/values [B, k_max, Hkv, D]."""
     t, hq, d = q.shape
     bsz = meta.block_tables.shape[0]
-    hkv = cache.shape[3]
-    keys = cache[0][meta.block_tables].view(bsz, -1, hkv, d)[:, : meta.k_max].to(q.dtype)
-    values = cache[1][meta.block_tables].view(bsz, -1, hkv, d)[:, : meta.k_max].to(q.dtype)
+    keys, values = read_kv(cache, meta.block_tables)
+    keys, values = keys[:, : meta.k_max].to(q.dtype), values[:, : meta.k_max].to(q.dtype)
     if meta.pad_index is None:
         qp = q.view(bsz, meta.q_max, hq, d)
     else:

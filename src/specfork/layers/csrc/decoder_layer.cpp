@@ -135,8 +135,8 @@ void project_rows(const Step& st, const parts::QuantWeight& w, const float* x, i
 // Tensor.to(float16) rounds on the module path).
 template <typename Elem>
 void store_kv(const float* k, const float* v, Elem* cache, int64_t slots_total, int64_t slot, int64_t kvh,
-              int64_t Hkv, int64_t D) {
-  Elem* kc = cache + (slot * Hkv + kvh) * D;
+              int64_t Hkv, int64_t bs, int64_t D) {
+  Elem* kc = cache + ((slot / bs * Hkv + kvh) * bs + slot % bs) * D;  // [block, KV head, offset, D]
   Elem* vc = kc + slots_total * Hkv * D;
   for (int64_t i = 0; i < D; ++i) {
     kc[i] = static_cast<Elem>(k[i]);
@@ -164,7 +164,7 @@ void run_layer(const Step& st, const LayerWeights& w, const float* x, const floa
   barrier();
   // rotate the q and k heads: x * cos + roll(x, D / 2) * sin_signed; then the cache takes k and v
   const Range heads = share(s.T * (s.Hq + s.Hkv));
-  const int64_t half = s.D / 2, slots_total = cache.size(1) * cache.size(2);
+  const int64_t half = s.D / 2, slots_total = cache.size(1) * cache.size(3);
   std::vector<float> head(s.D);
   for (int64_t i = heads.begin; i < heads.end; ++i) {
     const int64_t t = i / (s.Hq + s.Hkv), hd = i % (s.Hq + s.Hkv);
@@ -178,9 +178,9 @@ void run_layer(const Step& st, const LayerWeights& w, const float* x, const floa
       const int64_t kvh = hd - s.Hq;
       const float* value = m.qkv + t * width + (s.Hq + s.Hkv + kvh) * s.D;
       if (cache.scalar_type() == torch::kHalf)
-        store_kv(v, value, cache.data_ptr<at::Half>(), slots_total, st.slot[t], kvh, s.Hkv, s.D);
+        store_kv(v, value, cache.data_ptr<at::Half>(), slots_total, st.slot[t], kvh, s.Hkv, cache.size(3), s.D);
       else
-        store_kv(v, value, cache.data_ptr<float>(), slots_total, st.slot[t], kvh, s.Hkv, s.D);
+        store_kv(v, value, cache.data_ptr<float>(), slots_total, st.slot[t], kvh, s.Hkv, cache.size(3), s.D);
     }
   }
   barrier();
@@ -241,13 +241,13 @@ struct Call {
                       (cache.scalar_type() == torch::kFloat32 || cache.scalar_type() == torch::kHalf),
                   "bad cache");
     const int64_t T = x.size(0), D = cache0.size(4);
-    TORCH_CHECK(cache0.size(3) == num_kv_heads && D % 2 == 0 && num_heads % num_kv_heads == 0,
+    TORCH_CHECK(cache0.size(2) == num_kv_heads && D % 2 == 0 && num_heads % num_kv_heads == 0,
                 "cache shape disagrees with the heads");
     TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D && sin.sizes() == cos.sizes() &&
                     cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32,
                 "rope tables: float32 [positions, head_dim]");
     TORCH_CHECK(slots.numel() == T && slots.scalar_type() == torch::kInt64, "cache slots: one int64 per token");
-    const int64_t slots_total = cache0.size(1) * cache0.size(2);
+    const int64_t slots_total = cache0.size(1) * cache0.size(3);
     const int64_t* slot = slots.data_ptr<int64_t>();
     for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < slots_total, "cache slot out of range");
     const int64_t inter = formats[0].size() == 8 ? formats[0][4] / 2 : 0;
@@ -257,7 +257,7 @@ struct Call {
                 "one sequence index and position per token");
     const int64_t* pos = poss.data_ptr<int64_t>();
     for (int64_t t = 0; t < T; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "position past the rope tables");
-    plan = parts::plan_attention(tables, seqs, poss, num_heads, num_kv_heads, D, cache0.size(2));
+    plan = parts::plan_attention(tables, seqs, poss, num_heads, num_kv_heads, D, cache0.size(3));
     plan.scale = static_cast<float>(scale);
     scratch = std::make_unique<Scratch>(s, layers, extra);
     step = Step{s, static_cast<float>(eps), cos.data_ptr<float>(), sin.data_ptr<float>(), pos, slot, best_isa_index(),

@@ -81,7 +81,7 @@ std::pair<int64_t, int64_t> share_items(const AttentionPlan& plan, int64_t me, i
 // tables/seq_of/pos_of must outlive the plan (it keeps their pointers).
 AttentionPlan plan_attention(const torch::Tensor& tables, const torch::Tensor& seq_of, const torch::Tensor& pos_of,
                              int64_t Hq, int64_t Hkv, int64_t D, int64_t bs);
-// Items i0..i1-1 of the plan over cache [2, blocks, bs, Hkv, D] for the queries at q: query t's
+// Items i0..i1-1 of the plan over cache [2, blocks, Hkv, bs, D] for the queries at q: query t's
 // Hq heads of D floats side by side from q + t * q_row.
 void attention_items(int64_t isa, AttentionPlan& plan, const float* q, int64_t q_row, const torch::Tensor& cache,
                      int64_t i0, int64_t i1);

@@ -208,7 +208,7 @@ torch::Tensor attend(const torch::Tensor& q_in, const torch::Tensor& cache, cons
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
   TORCH_CHECK(cache.size(4) == D, "cache/query shapes disagree");
   TORCH_CHECK(seqs.numel() == T, "one sequence index and position per query");
-  auto plan = parts::plan_attention(tables, seqs, poss, Hq, cache.size(3), D, cache.size(2));
+  auto plan = parts::plan_attention(tables, seqs, poss, Hq, cache.size(2), D, cache.size(3));
   plan.scale = static_cast<float>(scale);
   auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
@@ -232,7 +232,7 @@ torch::Tensor attend_on(const torch::Tensor& q_in, const torch::Tensor& cache, c
 int64_t attention_chunk() { return kChunk; }
 
 torch::Tensor paged_attention_decode(const torch::Tensor& q_in,         // [T, Hq, D] float32
-                                     const torch::Tensor& cache,        // [2, blocks, bs, Hkv, D] float32 or float16
+                                     const torch::Tensor& cache,        // [2, blocks, Hkv, bs, D] float32 or float16
                                      const torch::Tensor& block_tables, // [B, max_blocks] int64
                                      const torch::Tensor& seq_of,       // [T] int64
                                      const torch::Tensor& pos_of,       // [T] int64
