@@ -32,35 +32,37 @@ def llama_cpp_missing(settings: BenchSettings) -> str | None:
 
 def llama_cpp_run(kind: str, prompts: list[list[int]], s: BenchSettings) -> PeerRun:
     """llama.cpp ``kind`` (AR or prompt-lookup), one request at a time."""
-    @contextmanager
-    def loaded() -> Iterator[GenerateGroup]:
-        import llama_cpp
-        from llama_cpp import Llama
+    return PeerRun(f"llama.cpp {kind}", kind, lambda: _loaded(kind, prompts, s))
 
-        from specfork.loading.resolve import resolve_checkpoint
 
-        path = str(resolve_checkpoint(s.model).path)
-        kwargs = {}
-        if kind == "prompt-lookup":
-            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+@contextmanager
+def _loaded(kind: str, prompts: list[list[int]], s: BenchSettings) -> Iterator[GenerateGroup]:
+    import llama_cpp
+    from llama_cpp import Llama
 
-            kwargs["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=10)
-        n_ctx = max(len(p) for p in prompts) + s.output_len + 16
-        threads = s.threads or torch.get_num_threads()
-        llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, verbose=False, **kwargs)
-        vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    from specfork.loading.resolve import resolve_checkpoint
 
-        def generate(ids: list[int], n: int) -> list[int]:
-            out = []
-            for token in llm.generate(ids, top_k=1, temp=0.0, reset=True):
-                out.append(int(token))
-                if len(out) == n or (not s.ignore_eos and llama_cpp.llama_vocab_is_eog(vocab, token)):
-                    break
-            return out
+    path = str(resolve_checkpoint(s.model).path)
+    kwargs = {}
+    if kind == "prompt-lookup":
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-        try:
-            yield one_at_a_time(generate)
-        finally:
-            llm.close()
+        kwargs["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=10)
+    n_ctx = max(len(p) for p in prompts) + s.output_len + 16
+    threads = s.threads or torch.get_num_threads()
+    llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, verbose=False, **kwargs)
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
 
-    return PeerRun(f"llama.cpp {kind}", kind, loaded)
+    def generate(ids: list[int], n: int) -> list[int]:
+        out = []
+        for token in llm.generate(ids, top_k=1, temp=0.0, reset=True):
+            out.append(int(token))
+            if len(out) == n or (not s.ignore_eos and llama_cpp.llama_vocab_is_eog(vocab, token)):
+                break
+        return out
+
+    try:
+        yield one_at_a_time(generate)
+    finally:
+        llm.close()
+
