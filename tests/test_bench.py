@@ -225,6 +225,9 @@ def test_sweep_grid_and_errors():
     with pytest.raises(SpecforkError, match="random dataset needs --input-len"):
         BenchSettings(datasets=("random",))
     assert parse_sweep("k=auto,3") == [{"k": "auto"}, {"k": 3}]
+    assert parse_sweep("cuda_graphs=off,on") == [{"cuda_graphs": False}, {"cuda_graphs": True}]
+    with pytest.raises(SpecforkError, match="bad value"):
+        parse_sweep("cuda_graphs=maybe")
     with pytest.raises(SpecforkError, match="k auto is for the sd and ngram modes"):
         BenchSettings(k="auto", modes=("ar", "ssd"))
     with pytest.raises(SpecforkError, match="k must be an integer >= 1 or auto"):
@@ -239,6 +242,8 @@ def test_bench_runs_specfork_on_the_chosen_device():
     s = BenchSettings(device="cuda:1")
     assert all(_engine_options(mode, s)["device"] == "cuda:1" for mode in ("ar", "sd", "ssd", "ngram"))
     assert _cell_settings("ar", s)["device"] == "cuda:1" and "device" not in _cell_settings("ar", BenchSettings())
+    eager = BenchSettings(device="cuda", cuda_graphs=False)
+    assert _engine_options("sd", eager)["cuda_graphs"] is False and _cell_settings("ar", eager)["cuda_graphs"] is False
 
 
 def test_bench_cli_sweep_and_all_rows(tiny, tmp_path, capsys):

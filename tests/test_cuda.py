@@ -6,7 +6,7 @@ GPU."""
 import pytest
 import torch
 from eagle3_heads import HEAD_DRAFT_IDS
-from helpers import assert_greedy_match
+from helpers import assert_greedy_match, step_logits
 from lossless import NUM_TOKENS, PROMPT, SETTINGS, check, exact_joint, marginal, sample_ssd, ssd_models
 
 from specfork import LLM, SamplingParams
@@ -178,3 +178,44 @@ def test_cuda_trains_an_eagle3_head(tmp_path):
     ar = LLM(str(target), device="cuda", deterministic=True)
     assert [o.token_ids for o in sd.generate(prompts[:4], HEAD_GREEDY)] == [
         o.token_ids for o in ar.generate(prompts[:4], HEAD_GREEDY)]
+
+
+GRAPH_PROMPTS = [[1, 5, 9, 13, 2, 7], [1, 44, 3], [1, 8, 8, 8, 8, 8, 8, 20, 21, 3, 4, 5, 6, 7]]
+
+
+@pytest.mark.parametrize("windows", [[[4], [9], [2]], [[4, 5, 6, 7], [9, 9, 9, 1], [2, 3, 1, 0]]])
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_cuda_graph_replay_equals_the_eager_step(tiny_checkpoints, windows, deterministic):
+    """A decode step (one row per sequence) and a verify window (four), three sequences: the
+    first step of the shape runs eagerly and is captured, the next ones replay the graph over
+    the same cache slots and give the same logits bit for bit. Against the runner without
+    graphs (unpadded context, no static buffers): bit for bit in deterministic mode, within
+    rounding otherwise."""
+    path = str(tiny_checkpoints["llama-gqa-tied"].path)
+    graphed = LLM(path, device="cuda", deterministic=deterministic)
+    (first, *replays), caches = step_logits(graphed, GRAPH_PROMPTS, windows, repeat=3)
+    assert len(graphed.engine.runner.graphs.graphs) == 1
+    assert all(torch.equal(first, r) for r in replays)
+    eager = LLM(path, device="cuda", deterministic=deterministic, cuda_graphs=False)
+    assert eager.engine.runner.graphs is None
+    (want,), want_caches = step_logits(eager, GRAPH_PROMPTS, windows)
+    if deterministic:
+        assert torch.equal(first, want)
+        assert all(torch.equal(a, b) for a, b in zip(caches, want_caches, strict=True))
+    else:
+        torch.testing.assert_close(first, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd-ngram", "sd-draft"])
+def test_cuda_greedy_on_graphs_equals_eager_ar(tiny_checkpoints, mode):
+    """Whole generations, batch 3, steps replayed from graphs: token for token the eager AR
+    output (deterministic mode)."""
+    path = str(tiny_checkpoints["llama-gqa-tied"].path)
+    draft = str(tiny_checkpoints["llama3-rope-untied-sharded"].path)
+    ar = LLM(path, device="cuda", deterministic=True, cuda_graphs=False).generate(GRAPH_PROMPTS, GREEDY)
+    options = {"ar": {}, "sd-ngram": {"mode": "sd", "drafter": "ngram", "k": 4},
+               "sd-draft": {"mode": "sd", "draft": draft, "k": 3}}[mode]
+    llm = LLM(path, device="cuda", deterministic=True, **options)
+    out = llm.generate(GRAPH_PROMPTS, GREEDY)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ar]
+    assert llm.engine.runner.graphs.graphs, "no step was graphed"

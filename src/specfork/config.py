@@ -50,6 +50,9 @@ class Config:
                                         "the native quantised kernels on the CPU, else the model's dtype)",
                                         choices=KV_DTYPES, group=ENGINE)
     max_num_seqs: int = option(32, "most sequences decoded together", group=ENGINE)
+    cuda_graphs: bool = option(True, "on CUDA, replay decode and verify steps as CUDA graphs captured on first use "
+                               "(a small model's eager step is bound by kernel launches); --no-cuda-graphs runs "
+                               "every step eagerly", group=ENGINE)
     max_num_batched_tokens: int = option(4096, "most tokens in one forward pass; longer prompts are prefilled "
                                          "in chunks", group=ENGINE)
     max_model_len: int | None = option(None, "longest prompt + output (default: the model's context length, "
@@ -198,6 +201,8 @@ class Config:
             raise SpecforkError("draft must be a non-empty path or alias")
         if not isinstance(self.deterministic, bool):
             raise SpecforkError(f"deterministic must be True or False, got {self.deterministic!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise SpecforkError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
         if self.backup not in SSD_BACKUPS:
             raise SpecforkError(f"backup must be one of {', '.join(SSD_BACKUPS)}, got {self.backup!r}")
         _positive("fan_out", self.fan_out)

@@ -57,6 +57,15 @@ def _number_or_auto(text: str, kind: type, what: str, auto: Any) -> Any:
         raise ValueError(f"must be {what} or auto, got {text!r}") from None
 
 
+def on_off(text: str) -> bool:
+    """on/off (also true/false, yes/no, 1/0) -> bool."""
+    value = {"on": True, "true": True, "yes": True, "1": True, "off": False, "false": False, "no": False,
+             "0": False}.get(text.strip().lower())
+    if value is None:
+        raise ValueError(f"must be on or off, got {text!r}")
+    return value
+
+
 def comma_list(text: str) -> tuple[str, ...]:
     """"a, b,c" -> ("a", "b", "c")."""
     return tuple(part.strip() for part in text.split(",") if part.strip())

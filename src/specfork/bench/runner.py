@@ -67,7 +67,7 @@ def load_prompt_ids(llm, dataset: str, settings: BenchSettings) -> list[list[int
 
 def _engine_options(mode: str, s: BenchSettings) -> dict:
     options = {"threads": s.threads, "max_num_seqs": max(s.batch_size, 1), "tensor_parallel_size": s.tensor_parallel_size,
-               "weights": s.weights, "device": s.device}
+               "weights": s.weights, "device": s.device, "cuda_graphs": s.cuda_graphs}
     if mode == "sd":
         options.update(mode="sd", draft=s.draft, k=s.k, draft_confidence=s.draft_confidence,
                        lookup_first=s.lookup_first)
@@ -219,7 +219,7 @@ def _cell_settings(mode: str, s: BenchSettings) -> dict:
     if s.weights != "native":
         keep |= {"weights"}
     if s.device != "cpu":
-        keep |= {"device"}
+        keep |= {"device", "cuda_graphs"}
     return {k: v for k, v in (asdict(s) | shown).items() if k in keep}
 
 

@@ -7,14 +7,15 @@ from dataclasses import dataclass
 
 from specfork.config import DEFAULT_CORPUS_TOKENS, DEFAULT_MODEL, SSD_BACKUPS, WEIGHTS
 from specfork.errors import SpecforkError
-from specfork.options import comma_list, int_or_auto, option
+from specfork.options import comma_list, int_or_auto, on_off, option
 
 MODES = ("ar", "sd", "ssd", "ngram")
 DATASETS = ("humaneval", "sharegpt", "random")
 PEERS = ("transformers", "llama.cpp")
 SSD_DRAFTERS = ("process", "rank")
 SWEEPABLE = {"k": int_or_auto, "draft_confidence": float, "lookup_first": int, "lookup_corpus": str, "corpus_tokens": int, "fan_out": int, "temperature": float, "input_len": int,
-             "batch_size": int, "dataset": str, "tensor_parallel_size": int, "ssd_drafter": str, "weights": str}
+             "batch_size": int, "dataset": str, "tensor_parallel_size": int, "ssd_drafter": str, "weights": str,
+             "cuda_graphs": on_off}
 
 
 def dataset_list(text: str) -> tuple[str, ...]:
@@ -62,6 +63,8 @@ class BenchSettings:
     weights: str = option("native", "specfork runs: the engine's --weights (native-int8: int8 activations)",
                           choices=WEIGHTS)
     device: str = option("cpu", "specfork runs: the engine's device, cpu or cuda[:N] (peers run on the CPU)")
+    cuda_graphs: bool = option(True, "specfork runs on CUDA: the engine's --cuda-graphs (decode and verify steps "
+                               "replayed as CUDA graphs; --no-cuda-graphs: eager; sweep it as cuda_graphs=off,on)")
     threads: int | None = option(None, "torch threads for AR/SD and peers (default: torch's)")
     repeat: int = option(1, "timed runs; the median is reported (a point's modes and peers, SSD aside, are "
                          "timed interleaved, prompt group by prompt group)")

@@ -93,6 +93,9 @@ class LLMEngine:
             deterministic=config.deterministic,
             kv_dtype=getattr(torch, config.kv_cache_dtype) if config.kv_cache_dtype else None,
             parallel=self.parallel,
+            cuda_graphs=config.cuda_graphs,
+            max_seqs=config.max_num_seqs,
+            max_rows=config.k_max + 1,
         )
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(
@@ -110,7 +113,8 @@ class LLMEngine:
         logger.info(
             "loaded %s (%s, %d layers) on %s%s%s; KV cache %d blocks x %d tokens; max_model_len %d",
             self.loaded.location.path, arch.architecture, arch.num_layers, self.device,
-            f" (native kernels: {instruction_set()})" if self.device.type == "cpu" else "",
+            f" (native kernels: {instruction_set()})" if self.device.type == "cpu"
+            else f" (CUDA graphs: {'on' if self.runner.graphs else 'off'})",
             f", tensor parallel over {self.parallel.size} ranks" if self.parallel else "",
             num_blocks, config.block_size, self.max_model_len,
         )

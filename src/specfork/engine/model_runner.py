@@ -7,6 +7,7 @@ import torch
 
 from specfork.engine.logprobs import record_prompt_logprobs
 from specfork.engine.scheduler import ScheduledBatch
+from specfork.engine.step_graphs import StepGraphs
 from specfork.errors import EngineFailure
 from specfork.layers.attention import AttentionMetadata, new_kv_cache
 from specfork.layers.cpu_kernels import kernels as native_kernels
@@ -28,12 +29,17 @@ class ModelRunner:
         deterministic: bool = False,
         kv_dtype: torch.dtype | None = None,
         parallel=None,
+        cuda_graphs: bool = False,
+        max_seqs: int = 32,
+        max_rows: int = 9,
     ) -> None:
         """``parallel``: the tensor-parallel group (parallel/group.py) when ``model`` is rank 0's
         shard; every forward's inputs then go to the other ranks first.
         ``deterministic``: decode and verify steps use batch-invariant kernels, so a token's
         logits do not depend on how many tokens or sequences share its forward pass.
-        ``kv_dtype``: the KV cache's element type (default: ``default_kv_dtype``)."""
+        ``kv_dtype``: the KV cache's element type (default: ``default_kv_dtype``).
+        ``cuda_graphs``: on CUDA, replay decode and verify steps of up to ``max_seqs`` sequences
+        of up to ``max_rows`` new tokens each as CUDA graphs (engine/step_graphs.py)."""
         cfg = model.config
         self.model = model
         self.parallel = parallel
@@ -58,6 +64,15 @@ class ModelRunner:
         # With feature_layers set: the features of every token the last pass computed, [T, n * hidden]
         # in the pass's flat token order (LlamaForCausalLM.forward's capture); valid until the next pass.
         self.features: torch.Tensor | None = None
+        self.graphs: StepGraphs | None = None
+        if cuda_graphs and device.type == "cuda" and parallel is None:
+            self.graphs = self.static_steps(max_seqs, max_rows, capture=True)
+
+    def static_steps(self, max_seqs: int, max_rows: int, *, capture: bool) -> StepGraphs:
+        """Graphed (``capture``) or eager static-shape steps over this runner's model and caches."""
+        max_keys = min(self.num_blocks * self.block_size, self.model.rotary.cos.shape[0])
+        return StepGraphs(self._model_forward, max_seqs=max_seqs, max_rows=max_rows, max_keys=max_keys,
+                          block_size=self.block_size, device=self.device, capture=capture)
 
     def capture_features(self, layers: tuple[int, ...]) -> None:
         """From now on, keep the inputs of ``layers`` of every pass in ``features`` (for a drafter
@@ -65,6 +80,8 @@ class ModelRunner:
         if any(not 0 <= i < self.model.config.num_layers for i in layers):
             raise ValueError(f"feature layers {list(layers)} outside 0..{self.model.config.num_layers - 1}")
         self.feature_layers = tuple(layers)
+        if self.graphs is not None:
+            self.graphs.reset()  # captured without the features
 
     def prepare(
         self,
@@ -199,34 +216,47 @@ class ModelRunner:
         use batch-invariant attention in deterministic mode (prefill passes never need it)."""
         invariant = self.deterministic and decode
         ids, pos, meta = self.prepare(seqs, starts, token_lists, attn_mask, invariant, decode, layout)
-        return self._logits_of(ids, pos, meta, logits_rows)
+        causal_step = decode and attn_mask is None and layout is None
+        return self._logits_of(ids, pos, meta, logits_rows, causal_step)
 
-    def _logits_of(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata, rows: list[int]) -> torch.Tensor:
+    def _logits_of(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata, rows: list[int],
+                   causal_step: bool = False) -> torch.Tensor:
         """Float32 logits of the flat rows ``rows``. When every row is wanted (decode and
         verification steps) the model runs its LM head itself: inside its one native call where it
-        has one."""
+        has one. ``causal_step``: a decode or verify step under the causal mask (it may replay a
+        CUDA graph)."""
         if rows == list(range(ids.shape[0])):
-            return self._run(ids, pos, meta, logits=True)
-        return self._logits(self._run(ids, pos, meta), rows)
+            return self._run(ids, pos, meta, logits=True, causal_step=causal_step)
+        return self._logits(self._run(ids, pos, meta, causal_step=causal_step), rows)
 
-    def _run(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata, logits: bool = False) -> torch.Tensor:
+    def _run(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata, logits: bool = False,
+             causal_step: bool = False) -> torch.Tensor:
         if self.parallel is None:
-            return self._forward(ids, pos, meta, logits)
+            return self._forward(ids, pos, meta, logits, causal_step)
         self.parallel.send_forward(ids, pos, meta)
         try:
-            return self._forward(ids, pos, meta, logits)
+            return self._forward(ids, pos, meta, logits, causal_step)
         except EngineFailure:
             raise
         except BaseException as e:  # the shards are inside this forward: they cannot go on
             self.parallel.fail(f"rank 0 failed during a forward ({type(e).__name__})")
             raise
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata, logits: bool) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata, logits: bool,
+                 causal_step: bool) -> torch.Tensor:
         """Hidden states after the final norm, or with ``logits`` the logits of every row."""
+        out = self.graphs.run(ids, pos, meta, logits) if causal_step and self.graphs is not None else None
+        if out is None:
+            out = self._model_forward(ids, pos, meta, logits)
+        if self.feature_layers:
+            out, self.features = out
+        return out
+
+    def _model_forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata, logits: bool):
+        """The model's output, with the captured features when ``feature_layers`` are set."""
         if not self.feature_layers:
             return self.model(ids, pos, self.kv_caches, meta, logits=logits)
-        out, self.features = self.model(ids, pos, self.kv_caches, meta, self.feature_layers, logits=logits)
-        return out
+        return self.model(ids, pos, self.kv_caches, meta, self.feature_layers, logits=logits)
 
     def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         if len(rows) != hidden.shape[0]:
@@ -251,7 +281,7 @@ class ModelRunner:
             record_prompt_logprobs(self.model.compute_logits, hidden, batch.seqs, starts, batch.num_new_tokens)
             logits = self._logits(hidden, rows)
         else:
-            logits = self._logits_of(ids, pos, meta, rows)
+            logits = self._logits_of(ids, pos, meta, rows, causal_step=decode)
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_cached_tokens += n
         return logits

@@ -1,0 +1,103 @@
+"""Decode and verify steps on a GPU with and without CUDA graphs (engine/step_graphs.py).
+
+Two engines on the same model, one replaying captured graphs (the default) and one eager
+(--no-cuda-graphs), timed interleaved in one process:
+- one forward of 1..--max-rows new tokens after --context cached ones (a decode step, then
+  verification windows), median of --repeat;
+- greedy generation of --output-len tokens for each batch size of --batch-sizes (random prompts
+  of --prompt-len tokens), tokens per second, best of --repeat-generate.
+
+    python benchmarks/bench_cuda_graphs.py                       # the embedded model
+    python benchmarks/bench_cuda_graphs.py --model DIR_OR_GGUF --batch-sizes 1,8,32
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from contextlib import ExitStack
+
+import torch
+
+from specfork import LLM, SamplingParams
+from specfork.bench.forward import prefilled
+from specfork.bench.timing import median
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default=None, help="the engines' --dtype (default: float32)")
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--max-rows", type=int, default=8)
+    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--batch-sizes", default="1,8,32")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--repeat-generate", type=int, default=2)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs CUDA (CUDA graphs exist on GPUs only)")
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    rows = list(range(1, args.max_rows + 1))
+    kinds = {"eager": False, "graphs": True}
+    step_ms: dict[tuple[str, int], list[float]] = {(kind, m): [] for kind in kinds for m in rows}
+    with ExitStack() as stack:
+        # k sizes the verify windows an engine graphs (k + 1 rows), also in AR mode
+        llms = {kind: stack.enter_context(LLM(args.model, device=args.device, dtype=args.dtype, cuda_graphs=on,
+                                              k=args.max_rows - 1))
+                for kind, on in kinds.items()}
+        forwards = {kind: stack.enter_context(prefilled(llm, args.context, args.max_rows))
+                    for kind, llm in llms.items()}
+        for i in range(args.repeat + 2):  # the first two rounds warm up (and capture)
+            for m in rows:
+                for kind, forward in forwards.items():
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    forward(m)
+                    torch.cuda.synchronize()
+                    if i >= 2:
+                        step_ms[(kind, m)].append((time.perf_counter() - start) * 1e3)
+        stack.close()  # the prefilled sequences give their blocks back
+        rates = _generation(args, batches)
+    ms = {key: median(v) for key, v in step_ms.items()}
+    name = torch.cuda.get_device_name()
+    print(f"{args.model} on {name}, torch {torch.__version__}, context {args.context}; median of {args.repeat}")
+    print("rows  eager ms  graphs ms  speedup  eager vs 1 row  graphs vs 1 row")
+    for m in rows:
+        e, g = ms[("eager", m)], ms[("graphs", m)]
+        print(f"{m:4d}  {e:8.2f}  {g:9.2f}  {e / g:6.2f}x  {e / ms[('eager', 1)]:13.2f}x  "
+              f"{g / ms[('graphs', 1)]:14.2f}x")
+    print(f"greedy generation, {args.output_len} tokens per request, best of {args.repeat_generate}")
+    print("batch  eager tok/s  graphs tok/s  speedup  graphs vs batch 1")
+    for b in batches:
+        e, g = rates[("eager", b)], rates[("graphs", b)]
+        print(f"{b:5d}  {e:11.1f}  {g:12.1f}  {g / e:6.2f}x  {g / rates[('graphs', batches[0])]:16.2f}x")
+
+
+def _generation(args, batches: list[int]) -> dict[tuple[str, int], float]:
+    """Tokens per second of greedy AR generation per engine kind and batch size."""
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    rates: dict[tuple[str, int], float] = {}
+    with ExitStack() as stack:
+        llms = {kind: stack.enter_context(LLM(args.model, device=args.device, dtype=args.dtype, cuda_graphs=on,
+                                              max_num_seqs=max(batches)))
+                for kind, on in (("eager", False), ("graphs", True))}
+        vocab = next(iter(llms.values())).engine.loaded.arch.vocab_size
+        for b in batches:
+            prompts = torch.randint(0, vocab, (b, args.prompt_len), generator=gen).tolist()
+            for kind, llm in llms.items():
+                llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+                best = float("inf")
+                for _ in range(args.repeat_generate):
+                    start = time.perf_counter()
+                    llm.generate(prompts, params)
+                    best = min(best, time.perf_counter() - start)
+                rates[(kind, b)] = b * args.output_len / best
+    return rates
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Decode and verify steps replayed as CUDA graphs.
+
+On a GPU a small model's eager forward is bound by kernel launches, not by the GPU: each layer
+is a chain of small kernels, each launched from Python (measured on an H100: 24 ms per decode
+step of the 30-layer embedded model, docs/benchmarks.md). A captured graph launches the whole
+forward at once.
+
+A graph replays fixed shapes on fixed buffers, so a step is graphed when its shape is one of a
+few: ``batch`` sequences that each compute ``rows`` new tokens (a decode step: 1; a verify
+window: k+1) under the causal mask, attending to ``keys`` key slots, a power of two of at least
+``MIN_KEYS``. The step's inputs are copied into static buffers; block-table entries past a
+sequence's blocks point at block 0 and the mask, computed inside the graph from the positions,
+hides every slot past a token's position, so the padding changes what is computed only by
+exact zeros (masked keys get weight 0) on the batch-invariant path (``--deterministic``), and on
+the default path by the kernels' own rounding. The first step of a shape runs eagerly through
+the same static path and is captured after it (it writes the same keys and values the replay
+would); later steps of that shape replay. At most ``MAX_GRAPHS`` are kept; other steps run eagerly.
+
+Without ``capture`` (on the CPU, in tests) every step runs the static path eagerly, which tests
+the padding and masking that the graphs replay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from specfork.layers.attention import AttentionMetadata
+
+MIN_KEYS = 256  # the smallest key bucket
+MAX_GRAPHS = 64  # graphs kept per model; steps of other shapes run eagerly
+
+Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, bool], torch.Tensor | tuple[torch.Tensor, ...]]
+
+
+class StepGraphs:
+    def __init__(self, forward: Forward, *, max_seqs: int, max_rows: int, max_keys: int, block_size: int,
+                 device: torch.device, capture: bool) -> None:
+        """``forward(ids, positions, meta, logits)``: the model's forward over its KV caches.
+        ``max_seqs`` x ``max_rows``: the largest step graphed; ``max_keys``: the longest context."""
+        self.forward = forward
+        self.max_seqs, self.max_rows, self.block_size = max_seqs, max_rows, block_size
+        self.max_keys = _bucket(max(max_keys, 1), block_size)
+        self.capture = capture
+        tokens = max_seqs * max_rows
+
+        def buffer(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=torch.long, device=device)
+
+        self.ids, self.positions, self.slots = buffer(tokens), buffer(tokens), buffer(tokens)
+        self.tables = buffer(max_seqs, self.max_keys // block_size)
+        self.key_index = torch.arange(self.max_keys, dtype=torch.long, device=device)
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, object]] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logits: bool):
+        """The forward's output for a prepared causal step whose sequences each compute
+        ``meta.q_max`` rows (no padding), or None when the step does not fit a graph."""
+        batch, rows = meta.block_tables.shape[0], meta.q_max
+        keys = _bucket(meta.k_max, self.block_size)
+        if (batch > self.max_seqs or rows > self.max_rows or keys > self.max_keys
+                or ids.shape[0] != batch * rows):  # sequences with fewer rows than others: eager
+            return None
+        shape = (batch, rows, keys, logits, meta.batch_invariant)
+        if self.capture and shape not in self.graphs and len(self.graphs) >= MAX_GRAPHS:
+            return None
+        tokens = batch * rows
+        self.ids[:tokens].copy_(ids)
+        self.positions[:tokens].copy_(positions)
+        self.slots[:tokens].copy_(meta.slot_mapping)
+        tables = self.tables[:batch, : keys // self.block_size]
+        tables.zero_()
+        tables[:, : meta.block_tables.shape[1]].copy_(meta.block_tables)
+        if not self.capture:
+            return self._static_forward(shape)
+        captured = self.graphs.get(shape)
+        if captured is None:
+            out = self._static_forward(shape)  # also the warm-up the capture needs
+            self.graphs[shape] = self._capture(shape)
+            return out
+        graph, static_out = captured
+        graph.replay()
+        # graphs share one memory pool: copy the output out before another graph replays
+        return tuple(t.clone() for t in static_out) if isinstance(static_out, tuple) else static_out.clone()
+
+    def reset(self) -> None:
+        """Forget every captured graph (the forward changed what it returns)."""
+        self.graphs.clear()
+
+    def _capture(self, shape: tuple) -> tuple[torch.cuda.CUDAGraph, object]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            static_out = self._static_forward(shape)
+        return graph, static_out
+
+    def _static_forward(self, shape: tuple):
+        batch, rows, keys, logits, invariant = shape
+        tokens = batch * rows
+        positions = self.positions[:tokens]
+        visible = self.key_index[:keys] <= positions.view(batch, rows, 1)  # causal, padding hidden
+        meta = AttentionMetadata(
+            slot_mapping=self.slots[:tokens],
+            block_tables=self.tables[:batch, : keys // self.block_size],
+            k_max=keys,
+            mask=visible.unsqueeze(1),
+            q_max=rows,
+            pad_index=None,
+            unpad_index=None,
+            batch_invariant=invariant,
+        )
+        return self.forward(self.ids[:tokens], positions, meta, logits)
+
+
+def _bucket(keys: int, block_size: int) -> int:
+    """The key bucket of a context of ``keys`` slots: a power of two, at least MIN_KEYS, rounded
+    up to whole blocks."""
+    bucket = max(MIN_KEYS, 1 << (keys - 1).bit_length())
+    return -(-bucket // block_size) * block_size

@@ -1,0 +1,81 @@
+"""The static-shape steps that CUDA graphs replay (engine/step_graphs.py), run eagerly on the
+CPU: inputs copied into fixed buffers, the context padded to a power-of-two key bucket through
+block 0, the causal mask built from the positions. Against the same runner's ordinary path
+(reference attention on both sides): bit for bit in deterministic mode, within float rounding
+otherwise, keys and values included. The replay itself is tested on a GPU (tests/test_cuda.py)."""
+
+import pytest
+import torch
+from helpers import step_logits
+
+from specfork import LLM, SamplingParams
+from specfork.engine.step_graphs import MIN_KEYS, _bucket
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+PROMPTS = [[1, 5, 9, 13, 2, 7], [1, 44, 3], [1, 8, 8, 8, 8, 8, 8, 20, 21, 3, 4, 5, 6, 7]]
+
+
+def _llm(path: str, *, static: bool, **options) -> LLM:
+    llm = LLM(path, **options)
+    runner = llm.engine.runner
+    runner.native_attention_available = False  # both sides on the reference attention
+    if static:
+        runner.graphs = runner.static_steps(max_seqs=4, max_rows=6, capture=False)
+    return llm
+
+
+def _step(llm, prompts, windows):
+    logits, caches = step_logits(llm, prompts, windows)
+    return logits[0], caches
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("windows", [[[4]], [[4], [9], [2]], [[4, 5, 6, 7]], [[4, 5, 6], [9, 9, 9], [2, 3, 1]]])
+def test_static_step_equals_the_ordinary_step(tiny_checkpoints, deterministic, windows):
+    path = str(tiny_checkpoints["llama-gqa-tied"].path)
+    prompts = PROMPTS[: len(windows)]
+    static = _llm(path, static=True, deterministic=deterministic)
+    calls = []
+    run = static.engine.runner.graphs.run
+    static.engine.runner.graphs.run = lambda *a: calls.append(1) or run(*a)
+    got, got_caches = _step(static, prompts, windows)
+    want, want_caches = _step(_llm(path, static=False, deterministic=deterministic), prompts, windows)
+    assert calls, "the step did not take the static path"
+    if deterministic:  # masked padding adds exact zeros on the batch-invariant path
+        assert torch.equal(got, want)
+        assert all(torch.equal(a, b) for a, b in zip(got_caches, want_caches, strict=True))
+    else:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        for a, b in zip(got_caches, want_caches, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_uneven_windows_run_eagerly(tiny_checkpoints):
+    """Sequences verifying windows of different lengths do not fit one graph: the ordinary path
+    computes them."""
+    path = str(tiny_checkpoints["llama-gqa-tied"].path)
+    static = _llm(path, static=True, deterministic=True)
+    answers = []
+    run = static.engine.runner.graphs.run
+    static.engine.runner.graphs.run = lambda *a: answers.append(out := run(*a)) or out
+    windows = [[4, 5], [9], [2, 3, 1]]
+    got, _ = _step(static, PROMPTS, windows)
+    want, _ = _step(_llm(path, static=False, deterministic=True), PROMPTS, windows)
+    assert answers == [None]
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd"])
+def test_greedy_generation_on_static_steps_equals_ar(tiny_checkpoints, mode):
+    path = str(tiny_checkpoints["llama-gqa-tied"].path)
+    ar = _llm(path, static=False, deterministic=True).generate(PROMPTS, GREEDY)
+    options = {"mode": "sd", "drafter": "ngram", "k": 4} if mode == "sd" else {}
+    out = _llm(path, static=True, deterministic=True, **options).generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ar]
+
+
+def test_key_buckets():
+    assert _bucket(1, 16) == MIN_KEYS
+    assert _bucket(MIN_KEYS, 16) == MIN_KEYS
+    assert _bucket(MIN_KEYS + 1, 16) == 2 * MIN_KEYS
+    assert _bucket(300, 24) == 528  # 512 rounded up to whole blocks of 24
