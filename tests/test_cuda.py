@@ -121,6 +121,8 @@ def test_cuda_greedy_with_an_eagle3_head_equals_ar(head_pair, mode, k):
             assert [o.token_ids for o in outs] == [o.token_ids for o in ar[: len(batch)]]
         if mode == "ssd":
             assert llm.engine.step_strategy.proposer.failure is None
+        else:
+            assert llm.engine.step_strategy.proposer.drafts.graphs.graphs, "no drafting step was graphed"
     accepted = sum(o.metrics["draft_tokens_accepted"] for o in outs)
     assert 0 < accepted < sum(o.metrics["draft_tokens_proposed"] for o in outs)
 
@@ -219,3 +221,28 @@ def test_cuda_greedy_on_graphs_equals_eager_ar(tiny_checkpoints, mode):
     out = llm.generate(GRAPH_PROMPTS, GREEDY)
     assert [o.token_ids for o in out] == [o.token_ids for o in ar]
     assert llm.engine.runner.graphs.graphs, "no step was graphed"
+
+
+def test_cuda_head_steps_replay_their_graph(head_pair):
+    """An EAGLE-3 head's drafting step (hidden states in, outputs and draft logits out), three
+    sequences: captured on first use, replayed after with the same results bit for bit, and
+    within rounding of the head run eagerly."""
+    from specfork.speculative.head_runner import HeadState
+
+    llm = LLM(head_pair["target"], device="cuda", mode="sd", draft=head_pair["draft"], k=3)
+    drafts = llm.engine.step_strategy.proposer.drafts
+    d = drafts.head.config.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    states, context = [HeadState() for _ in range(3)], [20, 7, 33]
+    for st, n in zip(states, context, strict=True):
+        drafts.blocks.grow(st, n + 1)
+        drafts._rows([st], [0], [[1] * n], torch.randn(n, d, generator=gen).cuda(), decode=False, logit_rows=[])
+    hidden, tokens = torch.randn(3, d, generator=gen).cuda(), [3, 0, 6]
+    first, *replays = [drafts.decode_step(states, context, tokens, hidden) for _ in range(3)]
+    assert len(drafts.graphs.graphs) == 1
+    assert all(torch.equal(a, b) for r in replays for a, b in zip(first, r, strict=True))
+    graphs, drafts.graphs = drafts.graphs, None
+    eager = drafts.decode_step(states, context, tokens, hidden)
+    drafts.graphs = graphs
+    for a, b in zip(first, eager, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

@@ -79,3 +79,61 @@ def test_key_buckets():
     assert _bucket(MIN_KEYS, 16) == MIN_KEYS
     assert _bucket(MIN_KEYS + 1, 16) == 2 * MIN_KEYS
     assert _bucket(300, 24) == 528  # 512 rounded up to whole blocks of 24
+
+
+def _counting(graphs) -> list:
+    """Record what each ``graphs.run`` returned (None: the step ran the ordinary path)."""
+    answers = []
+    run = graphs.run
+    graphs.run = lambda *a: answers.append(out := run(*a)) or out
+    return answers
+
+
+HEAD_PROMPTS = [[1, 3, 5], [2, 4], [6, 1, 1, 0, 3], [5]]
+HEAD_GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.mark.parametrize("drafter", ["head", "draft"])
+def test_drafting_steps_on_static_steps(head_pair, draft_pair, drafter):
+    """The drafting loop's steps on the static path: an EAGLE-3 head's (its hidden states a
+    further static input) and a draft model's. SD's greedy output still equals AR, and the
+    drafting steps took the static path."""
+    pair = head_pair if drafter == "head" else draft_pair
+    ar = LLM(pair["target"], deterministic=True).generate(HEAD_PROMPTS, HEAD_GREEDY)
+    llm = LLM(pair["target"], mode="sd", draft=pair["draft"], k=3, deterministic=True)
+    drafts = llm.engine.step_strategy.proposer.drafts
+    if drafter == "head":
+        drafts.graphs = drafts.runner.static_steps(4, 1, capture=False, forward=drafts.step_forward)
+        answers = _counting(drafts.graphs)
+    else:
+        drafts.runner.graphs = drafts.runner.static_steps(4, 4, capture=False)
+        answers = _counting(drafts.runner.graphs)
+    for batch in ([HEAD_PROMPTS[0]], HEAD_PROMPTS):
+        out = llm.generate(batch, HEAD_GREEDY)
+        assert [o.token_ids for o in out] == [o.token_ids for o in ar[: len(batch)]]
+    assert sum(a is not None for a in answers) > 10
+    assert sum(o.metrics["draft_tokens_accepted"] for o in out) > 0
+
+
+def test_a_head_step_on_the_static_path_equals_the_ordinary_step(head_pair):
+    """One drafting step of the head (hidden states in, outputs and draft logits out) after a
+    20-row context, three sequences: the static path (context padded to the key bucket, the
+    hidden states copied into their buffer) against the ordinary one."""
+    from specfork.speculative.head_runner import HeadState
+
+    llm = LLM(head_pair["target"], mode="sd", draft=head_pair["draft"], k=3)
+    drafts = llm.engine.step_strategy.proposer.drafts
+    d = drafts.head.config.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    states, context = [HeadState() for _ in range(3)], [20, 7, 33]
+    for st, n in zip(states, context, strict=True):
+        drafts.blocks.grow(st, n + 1)
+        drafts._rows([st], [0], [[1] * n], torch.randn(n, d, generator=gen), decode=False, logit_rows=[])
+    hidden, tokens = torch.randn(3, d, generator=gen), [3, 0, 6]
+    want = drafts.decode_step(states, context, tokens, hidden)
+    drafts.graphs = drafts.runner.static_steps(4, 1, capture=False, forward=drafts.step_forward)
+    answers = _counting(drafts.graphs)
+    got = drafts.decode_step(states, context, tokens, hidden)
+    assert len(answers) == 1 and answers[0] is not None
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -26,6 +26,10 @@ def _label(r: dict) -> str:
         extra["input_len"] = st["input_len"]
     if st.get("temperature"):
         extra["T"] = st["temperature"]
+    if st.get("device"):
+        extra["device"] = st["device"]
+    if "cuda_graphs" in st:
+        extra["graphs"] = "on" if st["cuda_graphs"] else "off"
     words = [f"{k}={v}" for k, v in extra.items() if v is not None]
     return " ".join([r["name"], *words])
 

@@ -68,10 +68,11 @@ class ModelRunner:
         if cuda_graphs and device.type == "cuda" and parallel is None:
             self.graphs = self.static_steps(max_seqs, max_rows, capture=True)
 
-    def static_steps(self, max_seqs: int, max_rows: int, *, capture: bool) -> StepGraphs:
-        """Graphed (``capture``) or eager static-shape steps over this runner's model and caches."""
+    def static_steps(self, max_seqs: int, max_rows: int, *, capture: bool, forward=None) -> StepGraphs:
+        """Graphed (``capture``) or eager static-shape steps over this runner's caches, running
+        ``forward`` (default: the model's forward, ``_model_forward``)."""
         max_keys = min(self.num_blocks * self.block_size, self.model.rotary.cos.shape[0])
-        return StepGraphs(self._model_forward, max_seqs=max_seqs, max_rows=max_rows, max_keys=max_keys,
+        return StepGraphs(forward or self._model_forward, max_seqs=max_seqs, max_rows=max_rows, max_keys=max_keys,
                           block_size=self.block_size, device=self.device, capture=capture)
 
     def capture_features(self, layers: tuple[int, ...]) -> None:

@@ -31,13 +31,14 @@ from specfork.layers.attention import AttentionMetadata
 MIN_KEYS = 256  # the smallest key bucket
 MAX_GRAPHS = 64  # graphs kept per model; steps of other shapes run eagerly
 
-Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, bool], torch.Tensor | tuple[torch.Tensor, ...]]
+# forward(ids, positions, meta, logits, *inputs) -> the step's output (a tensor or a tuple of them)
+Forward = Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]
 
 
 class StepGraphs:
     def __init__(self, forward: Forward, *, max_seqs: int, max_rows: int, max_keys: int, block_size: int,
                  device: torch.device, capture: bool) -> None:
-        """``forward(ids, positions, meta, logits)``: the model's forward over its KV caches.
+        """``forward(ids, positions, meta, logits, *inputs)``: the model's forward over its KV caches.
         ``max_seqs`` x ``max_rows``: the largest step graphed; ``max_keys``: the longest context."""
         self.forward = forward
         self.max_seqs, self.max_rows, self.block_size = max_seqs, max_rows, block_size
@@ -51,24 +52,33 @@ class StepGraphs:
         self.ids, self.positions, self.slots = buffer(tokens), buffer(tokens), buffer(tokens)
         self.tables = buffer(max_seqs, self.max_keys // block_size)
         self.key_index = torch.arange(self.max_keys, dtype=torch.long, device=device)
+        self.inputs: list[torch.Tensor] = []  # static buffers of the forward's further per-row inputs
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, object]] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
 
-    def run(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logits: bool):
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logits: bool,
+            *inputs: torch.Tensor):
         """The forward's output for a prepared causal step whose sequences each compute
-        ``meta.q_max`` rows (no padding), or None when the step does not fit a graph."""
+        ``meta.q_max`` rows (no padding), or None when the step does not fit a graph. ``inputs``:
+        further per-row inputs of the forward ([tokens, ...] each, e.g. an EAGLE-3 head's hidden
+        states), copied into static buffers like the token ids."""
         batch, rows = meta.block_tables.shape[0], meta.q_max
         keys = _bucket(meta.k_max, self.block_size)
         if (batch > self.max_seqs or rows > self.max_rows or keys > self.max_keys
                 or ids.shape[0] != batch * rows):  # sequences with fewer rows than others: eager
             return None
-        shape = (batch, rows, keys, logits, meta.batch_invariant)
+        shape = (batch, rows, keys, logits, meta.batch_invariant, len(inputs))
         if self.capture and shape not in self.graphs and len(self.graphs) >= MAX_GRAPHS:
+            return None
+        buffers = self._input_buffers(inputs)
+        if buffers is None:
             return None
         tokens = batch * rows
         self.ids[:tokens].copy_(ids)
         self.positions[:tokens].copy_(positions)
         self.slots[:tokens].copy_(meta.slot_mapping)
+        for buffer, x in zip(buffers, inputs, strict=True):
+            buffer[:tokens].copy_(x)
         tables = self.tables[:batch, : keys // self.block_size]
         tables.zero_()
         tables[:, : meta.block_tables.shape[1]].copy_(meta.block_tables)
@@ -84,6 +94,16 @@ class StepGraphs:
         # graphs share one memory pool: copy the output out before another graph replays
         return tuple(t.clone() for t in static_out) if isinstance(static_out, tuple) else static_out.clone()
 
+    def _input_buffers(self, inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor] | None:
+        """The static buffers of ``inputs`` (made on first use); None if an input's row shape or
+        dtype differs from its buffer's."""
+        for x in inputs[len(self.inputs):]:
+            self.inputs.append(torch.zeros(self.ids.shape[0], *x.shape[1:], dtype=x.dtype, device=self.ids.device))
+        buffers = self.inputs[: len(inputs)]
+        if any(b.shape[1:] != x.shape[1:] or b.dtype != x.dtype for b, x in zip(buffers, inputs, strict=True)):
+            return None
+        return buffers
+
     def reset(self) -> None:
         """Forget every captured graph (the forward changed what it returns)."""
         self.graphs.clear()
@@ -95,7 +115,7 @@ class StepGraphs:
         return graph, static_out
 
     def _static_forward(self, shape: tuple):
-        batch, rows, keys, logits, invariant = shape
+        batch, rows, keys, logits, invariant, num_inputs = shape
         tokens = batch * rows
         positions = self.positions[:tokens]
         visible = self.key_index[:keys] <= positions.view(batch, rows, 1)  # causal, padding hidden
@@ -109,7 +129,8 @@ class StepGraphs:
             unpad_index=None,
             batch_invariant=invariant,
         )
-        return self.forward(self.ids[:tokens], positions, meta, logits)
+        return self.forward(self.ids[:tokens], positions, meta, logits,
+                            *(buffer[:tokens] for buffer in self.inputs[:num_inputs]))
 
 
 def _bucket(keys: int, block_size: int) -> int:

@@ -12,9 +12,9 @@ from specfork.speculative.proposer import Proposal, ReadsNoFeatures
 
 class DraftModelProposer(ReadsNoFeatures):
     def __init__(self, draft_model, *, vocab_size: int, num_blocks: int, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, cuda_graphs: bool = False, max_seqs: int = 32, max_rows: int = 9) -> None:
         self.drafts = DraftRunner(draft_model, vocab_size=vocab_size, num_blocks=num_blocks, block_size=block_size,
-                                  device=device)
+                                  device=device, cuda_graphs=cuda_graphs, max_seqs=max_seqs, max_rows=max_rows)
         self._states: dict[int, DraftState] = {}
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:

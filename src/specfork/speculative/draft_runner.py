@@ -41,9 +41,13 @@ class DraftRunner:
     reads_features = False
     row_offset = 0  # a token at position p is fed at position p
 
-    def __init__(self, model, *, vocab_size: int, num_blocks: int, block_size: int, device: torch.device) -> None:
-        """``vocab_size``: the target's vocabulary (draft rows beyond it are never proposed)."""
-        self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size, device=device)
+    def __init__(self, model, *, vocab_size: int, num_blocks: int, block_size: int, device: torch.device,
+                 cuda_graphs: bool = False, max_seqs: int = 32, max_rows: int = 9) -> None:
+        """``vocab_size``: the target's vocabulary (draft rows beyond it are never proposed).
+        ``cuda_graphs``: on CUDA, decode steps of up to ``max_seqs`` sequences x ``max_rows``
+        rows replay CUDA graphs (engine/step_graphs.py)."""
+        self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size, device=device,
+                                  cuda_graphs=cuda_graphs, max_seqs=max_seqs, max_rows=max_rows)
         self.blocks = BlockManager(num_blocks, block_size)
         self.vocab_size = vocab_size
         self.device = device

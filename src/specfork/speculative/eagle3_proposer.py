@@ -23,9 +23,10 @@ from specfork.speculative.proposer import Proposal
 
 class Eagle3Proposer:
     def __init__(self, head, *, feature_layers: tuple[int, ...], vocab_size: int, num_blocks: int,
-                 block_size: int, device: torch.device, min_confidence: float = 0.0) -> None:
+                 block_size: int, device: torch.device, min_confidence: float = 0.0, cuda_graphs: bool = False,
+                 max_seqs: int = 32) -> None:
         self.drafts = HeadRunner(head, vocab_size=vocab_size, num_blocks=num_blocks, block_size=block_size,
-                                 device=device)
+                                 device=device, cuda_graphs=cuda_graphs, max_seqs=max_seqs)
         self.head = head
         self.feature_layers = feature_layers
         self.min_confidence = min_confidence

@@ -67,7 +67,9 @@ def _proposer(engine: LLMEngine, spec) -> DraftModelProposer | Eagle3Proposer:
 
 def _draft_proposer(engine: LLMEngine, draft) -> DraftModelProposer:
     return DraftModelProposer(draft.model, vocab_size=engine.loaded.arch.vocab_size, num_blocks=engine.num_kv_blocks,
-                              block_size=engine.config.block_size, device=engine.device)
+                              block_size=engine.config.block_size, device=engine.device,
+                              cuda_graphs=engine.config.cuda_graphs, max_seqs=engine.config.max_num_seqs,
+                              max_rows=engine.config.k_max + 1)
 
 
 def _head_proposer(engine: LLMEngine, spec) -> Eagle3Proposer:
@@ -76,6 +78,7 @@ def _head_proposer(engine: LLMEngine, spec) -> Eagle3Proposer:
         head, feature_layers=head.head_config.layers_for(engine.loaded.arch.num_layers),
         vocab_size=engine.loaded.arch.vocab_size, num_blocks=engine.num_kv_blocks, block_size=engine.config.block_size,
         device=engine.device, min_confidence=engine.config.head_confidence,
+        cuda_graphs=engine.config.cuda_graphs, max_seqs=engine.config.max_num_seqs,
     )
 
 

@@ -72,10 +72,16 @@ class HeadRunner:
     reads_features = True
     row_offset = -1  # a token at position p is fed by row p - 1 (see the module docstring)
 
-    def __init__(self, head, *, vocab_size: int, num_blocks: int, block_size: int, device: torch.device) -> None:
-        """``vocab_size``: the target's vocabulary (the head's distribution is scattered into it)."""
+    def __init__(self, head, *, vocab_size: int, num_blocks: int, block_size: int, device: torch.device,
+                 cuda_graphs: bool = False, max_seqs: int = 32) -> None:
+        """``vocab_size``: the target's vocabulary (the head's distribution is scattered into it).
+        ``cuda_graphs``: on CUDA, the drafting loop's steps (one row for each of up to
+        ``max_seqs`` sequences) replay CUDA graphs (engine/step_graphs.py)."""
         self.head = head
         self.runner = ModelRunner(head, num_blocks=num_blocks, block_size=block_size, device=device)
+        self.graphs = None
+        if cuda_graphs and device.type == "cuda":
+            self.graphs = self.runner.static_steps(max_seqs, 1, capture=True, forward=self.step_forward)
         self.blocks = BlockManager(num_blocks, block_size)
         self.vocab_size = vocab_size
         self.device = device
@@ -116,8 +122,16 @@ class HeadRunner:
         """(the head's outputs of these rows, the draft logits of ``logit_rows``, all rows by
         default); the input is ``hidden``, or the target's ``features``."""
         ids, pos, meta = self.runner.prepare(tables, starts, feeds, decode=decode)
+        if decode and self.graphs is not None and features is None and logit_rows is None:
+            out = self.graphs.run(ids, pos, meta, True, hidden)
+            if out is not None:
+                return out
         rows = range(len(ids)) if logit_rows is None else logit_rows
         return self.head(ids, pos, hidden, self.runner.kv_caches, meta, features=features, logit_rows=rows)
+
+    def step_forward(self, ids: torch.Tensor, pos: torch.Tensor, meta, logits: bool, hidden: torch.Tensor):
+        """A drafting step as the static steps run it: (outputs, draft logits) of every row."""
+        return self.head(ids, pos, hidden, self.runner.kv_caches, meta, logit_rows=range(len(ids)))
 
     def full_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """The head's draft-vocabulary logits scattered into the target's vocabulary (-inf
