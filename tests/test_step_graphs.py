@@ -113,6 +113,13 @@ def test_drafting_steps_on_static_steps(head_pair, draft_pair, drafter):
         assert [o.token_ids for o in out] == [o.token_ids for o in ar[: len(batch)]]
     assert sum(a is not None for a in answers) > 10
     assert sum(o.metrics["draft_tokens_accepted"] for o in out) > 0
+    if drafter == "head":  # a step outside inference mode (as start-up timing runs one) reuses the buffers
+        from specfork.speculative.head_runner import HeadState
+
+        st, d = HeadState(), drafts.head.config.hidden_size
+        drafts.blocks.grow(st, 5)
+        drafts._rows([st], [0], [[1] * 4], torch.zeros(4, d), decode=False, logit_rows=[])
+        assert drafts.decode_step([st], [4], [1], torch.zeros(1, d))[0].shape[0] == 1
 
 
 def test_a_head_step_on_the_static_path_equals_the_ordinary_step(head_pair):

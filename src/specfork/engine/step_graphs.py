@@ -56,6 +56,7 @@ class StepGraphs:
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, object]] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
 
+    @torch.inference_mode()  # the buffers are made and updated in inference mode, whoever calls
     def run(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logits: bool,
             *inputs: torch.Tensor):
         """The forward's output for a prepared causal step whose sequences each compute
