@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -462,3 +463,24 @@ def test_peers_are_timed_interleaved_with_the_modes_but_not_with_ssd(tiny, monke
         "specfork ar", "specfork ssd", "specfork ngram", "transformers AR", "transformers prompt-lookup",
         "transformers assisted"]
     assert all(r["tokens"] > 0 for r in report["results"])
+
+
+def test_machine_info_names_the_commit_that_runs(tmp_path, monkeypatch):
+    """The commit of specfork's own checkout (not of the directory the bench runs in), marked
+    when its tracked files differ from it."""
+    import re
+    import subprocess
+
+    from specfork.bench.machine import machine_info
+
+    monkeypatch.chdir(tmp_path)  # not a git checkout
+    commit = machine_info()["commit"]
+    source = Path(__file__).resolve().parent
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=source).stdout.strip()
+    if not head:
+        pytest.skip("the tests do not run from a git checkout")
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                           text=True, cwd=source).stdout.strip()
+    assert commit == head + ("+modified" if dirty else "")
+    assert re.fullmatch(r"[0-9a-f]{7,}(\+modified)?", commit)

@@ -19,10 +19,7 @@ def machine_info() -> dict:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:  # no git on this machine
-        commit = ""
+    commit = _source_commit()
     from specfork.layers.cpu_kernels import instruction_set
 
     return {
@@ -34,6 +31,23 @@ def machine_info() -> dict:
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "commit": commit or None,
     }
+
+
+def _source_commit() -> str:
+    """The commit of the checkout this specfork runs from, "+modified" when its tracked files
+    differ from it; "" where there is none (an installed package, no git)."""
+    source = os.path.dirname(os.path.abspath(__file__))
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=source).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        if commit and git("status", "--porcelain", "--untracked-files=no"):
+            commit += "+modified"
+    except OSError:  # no git on this machine
+        return ""
+    return commit
 
 
 def native_kernels_or_exit():
