@@ -185,10 +185,12 @@ def test_cuda_trains_an_eagle3_head(tmp_path):
 GRAPH_PROMPTS = [[1, 5, 9, 13, 2, 7], [1, 44, 3], [1, 8, 8, 8, 8, 8, 8, 20, 21, 3, 4, 5, 6, 7]]
 
 
-@pytest.mark.parametrize("windows", [[[4], [9], [2]], [[4, 5, 6, 7], [9, 9, 9, 1], [2, 3, 1, 0]]])
+@pytest.mark.parametrize("windows", [[[4], [9], [2]], [[4, 5, 6, 7], [9, 9, 9, 1], [2, 3, 1, 0]],
+                                     [[4, 5], [9], [2, 3, 1]]])
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_cuda_graph_replay_equals_the_eager_step(tiny_checkpoints, windows, deterministic):
-    """A decode step (one row per sequence) and a verify window (four), three sequences: the
+    """A decode step (one row per sequence), a verify window (four) and windows of different
+    lengths (padded to the longest), three sequences: the
     first step of the shape runs eagerly and is captured, the next ones replay the graph over
     the same cache slots and give the same logits bit for bit. Against the runner without
     graphs (unpadded context, no static buffers): bit for bit in deterministic mode, within
@@ -201,9 +203,9 @@ def test_cuda_graph_replay_equals_the_eager_step(tiny_checkpoints, windows, dete
     eager = LLM(path, device="cuda", deterministic=deterministic, cuda_graphs=False)
     assert eager.engine.runner.graphs is None
     (want,), want_caches = step_logits(eager, GRAPH_PROMPTS, windows)
-    if deterministic:
+    if deterministic:  # the last block is the scratch block padded rows write; no sequence reads it
         assert torch.equal(first, want)
-        assert all(torch.equal(a, b) for a, b in zip(caches, want_caches, strict=True))
+        assert all(torch.equal(a[:, :-1], b[:, :-1]) for a, b in zip(caches, want_caches, strict=True))
     else:
         torch.testing.assert_close(first, want, atol=1e-4, rtol=1e-4)
 

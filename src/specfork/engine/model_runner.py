@@ -56,8 +56,10 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
+        # One block more than the block manager hands out: the scratch block, where the padded
+        # rows of a graphed step write (engine/step_graphs.py); no sequence ever reads it.
         self.kv_caches = [
-            new_kv_cache(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=kv_dtype, device=device)
+            new_kv_cache(num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=kv_dtype, device=device)
             for _ in range(cfg.num_layers)
         ]
         self.feature_layers: tuple[int, ...] = ()
@@ -73,7 +75,8 @@ class ModelRunner:
         ``forward`` (default: the model's forward, ``_model_forward``)."""
         max_keys = min(self.num_blocks * self.block_size, self.model.rotary.cos.shape[0])
         return StepGraphs(forward or self._model_forward, max_seqs=max_seqs, max_rows=max_rows, max_keys=max_keys,
-                          block_size=self.block_size, device=self.device, capture=capture)
+                          block_size=self.block_size, device=self.device, capture=capture,
+                          scratch_slot=self.num_blocks * self.block_size)
 
     def capture_features(self, layers: tuple[int, ...]) -> None:
         """From now on, keep the inputs of ``layers`` of every pass in ``features`` (for a drafter

@@ -8,13 +8,16 @@ forward at once.
 A graph replays fixed shapes on fixed buffers, so a step is graphed when its shape is one of a
 few: ``batch`` sequences that each compute ``rows`` new tokens (a decode step: 1; a verify
 window: k+1) under the causal mask, attending to ``keys`` key slots, a power of two of at least
-``MIN_KEYS``. The step's inputs are copied into static buffers; block-table entries past a
+``MIN_KEYS``. Sequences with shorter windows than the longest are padded to it with rows that
+write a scratch slot no sequence owns and whose outputs are dropped (rows are computed
+independently of each other). The step's inputs are copied into static buffers; block-table entries past a
 sequence's blocks point at block 0 and the mask, computed inside the graph from the positions,
 hides every slot past a token's position, so the padding changes what is computed only by
 exact zeros (masked keys get weight 0) on the batch-invariant path (``--deterministic``), and on
 the default path by the kernels' own rounding. The first step of a shape runs eagerly through
 the same static path and is captured after it (it writes the same keys and values the replay
-would); later steps of that shape replay. At most ``MAX_GRAPHS`` are kept; other steps run eagerly.
+would); later steps of that shape replay. At most ``MAX_GRAPHS`` are kept; other steps run
+eagerly, and so does every step after a capture that failed (logged once).
 
 Without ``capture`` (on the CPU, in tests) every step runs the static path eagerly, which tests
 the padding and masking that the graphs replay.
@@ -22,11 +25,14 @@ the padding and masking that the graphs replay.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 
 from specfork.layers.attention import AttentionMetadata
+
+logger = logging.getLogger(__name__)
 
 MIN_KEYS = 256  # the smallest key bucket
 MAX_GRAPHS = 64  # graphs kept per model; steps of other shapes run eagerly
@@ -37,10 +43,14 @@ Forward = Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]
 
 class StepGraphs:
     def __init__(self, forward: Forward, *, max_seqs: int, max_rows: int, max_keys: int, block_size: int,
-                 device: torch.device, capture: bool) -> None:
+                 device: torch.device, capture: bool, scratch_slot: int | None = None) -> None:
         """``forward(ids, positions, meta, logits, *inputs)``: the model's forward over its KV caches.
-        ``max_seqs`` x ``max_rows``: the largest step graphed; ``max_keys``: the longest context."""
+        ``max_seqs`` x ``max_rows``: the largest step graphed; ``max_keys``: the longest context.
+        ``scratch_slot``: a cache slot no sequence owns, where padded rows write (None: steps
+        whose sequences compute different numbers of rows run eagerly)."""
         self.forward = forward
+        self.scratch_slot = scratch_slot
+        self.failed = False  # a capture failed: every step runs eagerly
         self.max_seqs, self.max_rows, self.block_size = max_seqs, max_rows, block_size
         self.max_keys = _bucket(max(max_keys, 1), block_size)
         self.capture = capture
@@ -54,19 +64,23 @@ class StepGraphs:
         self.key_index = torch.arange(self.max_keys, dtype=torch.long, device=device)
         self.inputs: list[torch.Tensor] = []  # static buffers of the forward's further per-row inputs
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, object]] = {}
-        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.pool = None  # the graphs' one memory pool, made at the first capture
 
     @torch.inference_mode()  # the buffers are made and updated in inference mode, whoever calls
     def run(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logits: bool,
             *inputs: torch.Tensor):
-        """The forward's output for a prepared causal step whose sequences each compute
-        ``meta.q_max`` rows (no padding), or None when the step does not fit a graph. ``inputs``:
-        further per-row inputs of the forward ([tokens, ...] each, e.g. an EAGLE-3 head's hidden
-        states), copied into static buffers like the token ids."""
+        """The forward's output for a prepared causal step, or None when the step does not fit a
+        graph. Sequences computing fewer rows than the longest (``meta.pad_index``) are padded
+        to it: a padded row repeats the sequence's first row but writes the scratch slot, and
+        its output is dropped. ``inputs``: further per-row inputs of the forward ([tokens, ...]
+        each, e.g. an EAGLE-3 head's hidden states), copied into static buffers like the ids."""
+        if self.failed:
+            return None
         batch, rows = meta.block_tables.shape[0], meta.q_max
         keys = _bucket(meta.k_max, self.block_size)
+        padded = ids.shape[0] != batch * rows
         if (batch > self.max_seqs or rows > self.max_rows or keys > self.max_keys
-                or ids.shape[0] != batch * rows):  # sequences with fewer rows than others: eager
+                or padded and (self.scratch_slot is None or meta.pad_index is None)):
             return None
         shape = (batch, rows, keys, logits, meta.batch_invariant, len(inputs))
         if self.capture and shape not in self.graphs and len(self.graphs) >= MAX_GRAPHS:
@@ -75,25 +89,42 @@ class StepGraphs:
         if buffers is None:
             return None
         tokens = batch * rows
+        slots = meta.slot_mapping
+        if padded:  # every row in the [batch, rows] grid; a padded row writes the scratch slot
+            grid = meta.pad_index
+            real = torch.zeros(tokens, dtype=torch.bool, device=ids.device)
+            real[meta.unpad_index] = True
+            ids, positions, inputs = ids[grid], positions[grid], tuple(x[grid] for x in inputs)
+            slots = torch.where(real, slots[grid], self.scratch_slot)
         self.ids[:tokens].copy_(ids)
         self.positions[:tokens].copy_(positions)
-        self.slots[:tokens].copy_(meta.slot_mapping)
+        self.slots[:tokens].copy_(slots)
         for buffer, x in zip(buffers, inputs, strict=True):
             buffer[:tokens].copy_(x)
         tables = self.tables[:batch, : keys // self.block_size]
         tables.zero_()
         tables[:, : meta.block_tables.shape[1]].copy_(meta.block_tables)
+        out = self._replay_or_capture(shape)
+        if padded:  # the real rows, in the flat order (a new tensor: no copy needed)
+            return _rows(out, lambda t: t.index_select(0, meta.unpad_index))
+        return out
+
+    def _replay_or_capture(self, shape: tuple):
         if not self.capture:
             return self._static_forward(shape)
         captured = self.graphs.get(shape)
         if captured is None:
             out = self._static_forward(shape)  # also the warm-up the capture needs
-            self.graphs[shape] = self._capture(shape)
+            try:
+                self.graphs[shape] = self._capture(shape)
+            except RuntimeError as e:  # an operation that cannot be captured: eager from now on
+                self.failed = True
+                logger.warning("CUDA graph capture failed (%s); decode steps run eagerly", str(e).splitlines()[0])
             return out
         graph, static_out = captured
         graph.replay()
         # graphs share one memory pool: copy the output out before another graph replays
-        return tuple(t.clone() for t in static_out) if isinstance(static_out, tuple) else static_out.clone()
+        return _rows(static_out, torch.Tensor.clone)
 
     def _input_buffers(self, inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor] | None:
         """The static buffers of ``inputs`` (made on first use); None if an input's row shape or
@@ -110,6 +141,8 @@ class StepGraphs:
         self.graphs.clear()
 
     def _capture(self, shape: tuple) -> tuple[torch.cuda.CUDAGraph, object]:
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             static_out = self._static_forward(shape)
@@ -132,6 +165,11 @@ class StepGraphs:
         )
         return self.forward(self.ids[:tokens], positions, meta, logits,
                             *(buffer[:tokens] for buffer in self.inputs[:num_inputs]))
+
+
+def _rows(out, select):
+    """``select`` applied to the output, a tensor or a tuple of them."""
+    return tuple(select(t) for t in out) if isinstance(out, tuple) else select(out)
 
 
 def _bucket(keys: int, block_size: int) -> int:
