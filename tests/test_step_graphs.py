@@ -47,10 +47,15 @@ def test_static_step_equals_the_ordinary_step(tiny_checkpoints, deterministic, w
     path = str(tiny_checkpoints["llama-gqa-tied"].path)
     prompts = PROMPTS[: len(windows)]
     static = _llm(path, static=True, deterministic=deterministic)
-    answers = _counting(static.engine.runner.graphs)
+    graphs = static.engine.runner.graphs
+    answers, shapes = _counting(graphs), []
+    forward = graphs._static_forward
+    graphs._static_forward = lambda shape: shapes.append(shape) or forward(shape)
     got, got_caches = _step(static, prompts, windows)
     want, want_caches = _step(_llm(path, static=False, deterministic=deterministic), prompts, windows)
     assert len(answers) == 1 and answers[0] is not None, "the step did not take the static path"
+    # (sequences, rows) of the graph: three sequences padded to four, windows to the longest
+    assert shapes[0][:2] == (1 if len(windows) == 1 else 4, max(len(w) for w in windows))
     # the last block is the scratch block the padded rows write; no sequence reads it
     got_caches, want_caches = [c[:, :-1] for c in got_caches], [c[:, :-1] for c in want_caches]
     if deterministic:  # masked padding adds exact zeros on the batch-invariant path

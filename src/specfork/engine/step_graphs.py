@@ -6,11 +6,12 @@ step of the 30-layer embedded model, docs/benchmarks.md). A captured graph launc
 forward at once.
 
 A graph replays fixed shapes on fixed buffers, so a step is graphed when its shape is one of a
-few: ``batch`` sequences that each compute ``rows`` new tokens (a decode step: 1; a verify
-window: k+1) under the causal mask, attending to ``keys`` key slots, a power of two of at least
-``MIN_KEYS``. Sequences with shorter windows than the longest are padded to it with rows that
-write a scratch slot no sequence owns and whose outputs are dropped (rows are computed
-independently of each other). The step's inputs are copied into static buffers; block-table entries past a
+few: ``batch`` sequences (a power of two, at most ``max_seqs``) that each compute ``rows`` new
+tokens (a decode step: 1; a verify window: k+1) under the causal mask, attending to ``keys`` key
+slots, a power of two of at least ``MIN_KEYS``. A step is padded to its graph's shape: shorter
+windows to the longest, the batch with whole sequences. Padded rows repeat a real row, write a
+scratch slot no sequence owns, and their outputs are dropped (rows are computed independently of
+each other). The step's inputs are copied into static buffers; block-table entries past a
 sequence's blocks point at block 0 and the mask, computed inside the graph from the positions,
 hides every slot past a token's position, so the padding changes what is computed only by
 exact zeros (masked keys get weight 0) on the batch-invariant path (``--deterministic``), and on
@@ -70,30 +71,35 @@ class StepGraphs:
     def run(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logits: bool,
             *inputs: torch.Tensor):
         """The forward's output for a prepared causal step, or None when the step does not fit a
-        graph. Sequences computing fewer rows than the longest (``meta.pad_index``) are padded
-        to it: a padded row repeats the sequence's first row but writes the scratch slot, and
-        its output is dropped. ``inputs``: further per-row inputs of the forward ([tokens, ...]
-        each, e.g. an EAGLE-3 head's hidden states), copied into static buffers like the ids."""
+        graph. The step is padded to its graph's shape: sequences computing fewer rows than the
+        longest (``meta.pad_index``) get rows that repeat their first row, and the batch grows to
+        a power of two (at most ``max_seqs``) with sequences that repeat the step's first row;
+        every padded row writes the scratch slot and its output is dropped. ``inputs``: further
+        per-row inputs of the forward ([tokens, ...] each, e.g. an EAGLE-3 head's hidden
+        states), copied into static buffers like the ids."""
         if self.failed:
             return None
         batch, rows = meta.block_tables.shape[0], meta.q_max
         keys = _bucket(meta.k_max, self.block_size)
-        padded = ids.shape[0] != batch * rows
-        if (batch > self.max_seqs or rows > self.max_rows or keys > self.max_keys
-                or padded and (self.scratch_slot is None or meta.pad_index is None)):
+        if batch > self.max_seqs or rows > self.max_rows or keys > self.max_keys:
             return None
-        shape = (batch, rows, keys, logits, meta.batch_invariant, len(inputs))
+        graph_batch = min(1 << (batch - 1).bit_length(), self.max_seqs)
+        uneven = ids.shape[0] != batch * rows
+        padded = uneven or graph_batch != batch
+        if padded and (self.scratch_slot is None or uneven and meta.pad_index is None):
+            return None
+        shape = (graph_batch, rows, keys, logits, meta.batch_invariant, len(inputs))
         if self.capture and shape not in self.graphs and len(self.graphs) >= MAX_GRAPHS:
             return None
         buffers = self._input_buffers(inputs)
         if buffers is None:
             return None
-        tokens = batch * rows
+        tokens = graph_batch * rows
         slots = meta.slot_mapping
-        if padded:  # every row in the [batch, rows] grid; a padded row writes the scratch slot
-            grid = meta.pad_index
+        if padded:
+            grid, real_rows = self._grid(ids.shape[0], batch * rows, tokens, meta, uneven, ids.device)
             real = torch.zeros(tokens, dtype=torch.bool, device=ids.device)
-            real[meta.unpad_index] = True
+            real[real_rows] = True
             ids, positions, inputs = ids[grid], positions[grid], tuple(x[grid] for x in inputs)
             slots = torch.where(real, slots[grid], self.scratch_slot)
         self.ids[:tokens].copy_(ids)
@@ -101,13 +107,27 @@ class StepGraphs:
         self.slots[:tokens].copy_(slots)
         for buffer, x in zip(buffers, inputs, strict=True):
             buffer[:tokens].copy_(x)
-        tables = self.tables[:batch, : keys // self.block_size]
+        tables = self.tables[:graph_batch, : keys // self.block_size]
         tables.zero_()
-        tables[:, : meta.block_tables.shape[1]].copy_(meta.block_tables)
+        tables[:batch, : meta.block_tables.shape[1]].copy_(meta.block_tables)
         out = self._replay_or_capture(shape)
         if padded:  # the real rows, in the flat order (a new tensor: no copy needed)
-            return _rows(out, lambda t: t.index_select(0, meta.unpad_index))
+            return _rows(out, lambda t: t.index_select(0, real_rows))
         return out
+
+    @staticmethod
+    def _grid(flat: int, grid_rows: int, tokens: int, meta: AttentionMetadata, uneven: bool, device: torch.device):
+        """(for each of the graph's ``tokens`` rows the flat row it repeats, the graph row of each
+        of the ``flat`` rows). The first ``grid_rows`` are the step's own [batch, rows] grid
+        (padded per sequence by ``meta.pad_index`` when its windows are ``uneven``); the rest,
+        whole padded sequences, repeat flat row 0."""
+        if uneven:
+            grid, real_rows = meta.pad_index, meta.unpad_index
+        else:
+            grid = real_rows = torch.arange(flat, device=device)
+        if tokens > grid_rows:
+            grid = torch.cat([grid, grid.new_zeros(tokens - grid_rows)])
+        return grid, real_rows
 
     def _replay_or_capture(self, shape: tuple):
         if not self.capture:
