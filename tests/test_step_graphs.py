@@ -6,7 +6,7 @@ otherwise, keys and values included. The replay itself is tested on a GPU (tests
 
 import pytest
 import torch
-from helpers import step_logits
+from helpers import head_step_inputs, step_logits
 
 from specfork import LLM, SamplingParams
 from specfork.engine.step_graphs import MIN_KEYS, _bucket
@@ -132,17 +132,8 @@ def test_a_head_step_on_the_static_path_equals_the_ordinary_step(head_pair):
     """One drafting step of the head (hidden states in, outputs and draft logits out) after a
     20-row context, three sequences: the static path (context padded to the key bucket, the
     hidden states copied into their buffer) against the ordinary one."""
-    from specfork.speculative.head_runner import HeadState
-
     llm = LLM(head_pair["target"], mode="sd", draft=head_pair["draft"], k=3)
-    drafts = llm.engine.step_strategy.proposer.drafts
-    d = drafts.head.config.hidden_size
-    gen = torch.Generator().manual_seed(0)
-    states, context = [HeadState() for _ in range(3)], [20, 7, 33]
-    for st, n in zip(states, context, strict=True):
-        drafts.blocks.grow(st, n + 1)
-        drafts._rows([st], [0], [[1] * n], torch.randn(n, d, generator=gen), decode=False, logit_rows=[])
-    hidden, tokens = torch.randn(3, d, generator=gen), [3, 0, 6]
+    drafts, states, context, tokens, hidden = head_step_inputs(llm)
     want = drafts.decode_step(states, context, tokens, hidden)
     drafts.graphs = drafts.runner.static_steps(4, 1, capture=False, forward=drafts.step_forward)
     answers = _counting(drafts.graphs)
