@@ -50,9 +50,9 @@ class Config:
                                         "the native quantised kernels on the CPU, else the model's dtype)",
                                         choices=KV_DTYPES, group=ENGINE)
     max_num_seqs: int = option(32, "most sequences decoded together", group=ENGINE)
-    cuda_graphs: bool = option(True, "on CUDA, replay decode and verify steps as CUDA graphs captured on first use "
-                               "(a small model's eager step is bound by kernel launches); --no-cuda-graphs runs "
-                               "every step eagerly", group=ENGINE)
+    cuda_graphs: bool = option(True, "on CUDA, replay decode, verify and drafting steps as CUDA graphs captured on "
+                               "first use (a small model's eager step is bound by kernel launches); "
+                               "--no-cuda-graphs runs every step eagerly", group=ENGINE)
     max_num_batched_tokens: int = option(4096, "most tokens in one forward pass; longer prompts are prefilled "
                                          "in chunks", group=ENGINE)
     max_model_len: int | None = option(None, "longest prompt + output (default: the model's context length, "

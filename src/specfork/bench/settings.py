@@ -63,8 +63,9 @@ class BenchSettings:
     weights: str = option("native", "specfork runs: the engine's --weights (native-int8: int8 activations)",
                           choices=WEIGHTS)
     device: str = option("cpu", "specfork runs: the engine's device, cpu or cuda[:N] (peers run on the CPU)")
-    cuda_graphs: bool = option(True, "specfork runs on CUDA: the engine's --cuda-graphs (decode and verify steps "
-                               "replayed as CUDA graphs; --no-cuda-graphs: eager; sweep it as cuda_graphs=off,on)")
+    cuda_graphs: bool = option(True, "specfork runs on CUDA: the engine's --cuda-graphs (decode, verify and drafting "
+                               "steps replayed as CUDA graphs; --no-cuda-graphs: eager; sweep it as "
+                               "cuda_graphs=off,on)")
     threads: int | None = option(None, "torch threads for AR/SD and peers (default: torch's)")
     repeat: int = option(1, "timed runs; the median is reported (a point's modes and peers, SSD aside, are "
                          "timed interleaved, prompt group by prompt group)")
