@@ -1,8 +1,9 @@
 """The static-shape steps that CUDA graphs replay (engine/step_graphs.py), run eagerly on the
 CPU: inputs copied into fixed buffers, the context padded to a power-of-two key bucket through
-block 0, the causal mask built from the positions. Against the same runner's ordinary path
-(reference attention on both sides): bit for bit in deterministic mode, within float rounding
-otherwise, keys and values included. The replay itself is tested on a GPU (tests/test_cuda.py)."""
+block 0, shorter windows and the batch padded with rows that write the scratch block, the causal
+mask built from the positions. Against the same runner's ordinary path (reference attention on
+both sides): bit for bit in deterministic mode, within float rounding otherwise, keys and values
+included. The replay itself is tested on a GPU (tests/test_cuda.py)."""
 
 import pytest
 import torch
