@@ -257,7 +257,11 @@ def test_bench_cli_sweep_and_all_rows(tiny, tmp_path, capsys):
     assert report["command"].startswith("specfork bench --model")
     ks = sorted(r["settings"]["k"] for r in report["results"] if r["mode"] == "sd")
     assert ks == [2, 4]
-    assert "specfork sd k=2" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "specfork sd k=2" in printed
+    m = report["machine"]  # the machine line names what ran (the GPU only where there is one)
+    assert f"machine: {m['cpu']}, {m['cores']} cores; native kernels: {m['kernels']}" in printed
+    assert f"commit {m['commit']}" in printed and ("; GPU: " in printed) == (m["cuda"] is not None)
 
 
 def test_bench_sweeps_lookup_first(tiny, tmp_path, capsys):

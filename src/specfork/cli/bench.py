@@ -35,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
     settings = BenchSettings(**schema.values(args, BenchSettings))
     report = run_benchmark(settings, parse_sweep(args.sweep), progress=args.progress)
     m = report["machine"]
-    print(f"machine: {m['cpu']}, {m['cores']} cores; native kernels: {m['kernels']}")
+    gpu = f"; GPU: {m['cuda']}" if m.get("cuda") else ""
+    print(f"machine: {m['cpu']}, {m['cores']} cores; native kernels: {m['kernels']}{gpu}; commit {m['commit']}")
     print(format_table(report))
     for line in sum_lines(report):
         print(f"tensor parallel: {line}")
