@@ -14,31 +14,30 @@ Two engines on the same model, one replaying captured graphs (the default) and o
 from __future__ import annotations
 
 import argparse
-import time
 from contextlib import ExitStack
 
 import torch
 
 from specfork import LLM, SamplingParams
 from specfork.bench.forward import prefilled
-from specfork.bench.timing import median
+from specfork.bench.timing import median, timed
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--model", default="smollm2-135m", help="alias, HF directory or GGUF (default: the embedded model)")
+    parser.add_argument("--device", default="cuda", help="cuda[:N] (on cpu both engines run eagerly: a smoke test)")
     parser.add_argument("--dtype", default=None, help="the engines' --dtype (default: float32)")
-    parser.add_argument("--context", type=int, default=256)
-    parser.add_argument("--max-rows", type=int, default=8)
-    parser.add_argument("--repeat", type=int, default=20)
-    parser.add_argument("--batch-sizes", default="1,8,32")
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--repeat-generate", type=int, default=2)
+    parser.add_argument("--context", type=int, default=256, help="cached tokens before the timed forwards")
+    parser.add_argument("--max-rows", type=int, default=8, help="forwards of 1..N rows are timed")
+    parser.add_argument("--repeat", type=int, default=20, help="timed forwards per row count (median)")
+    parser.add_argument("--batch-sizes", default="1,8,32", help="comma list of concurrent requests")
+    parser.add_argument("--prompt-len", type=int, default=64, help="random prompt tokens per request")
+    parser.add_argument("--output-len", type=int, default=128, help="generated tokens per request")
+    parser.add_argument("--repeat-generate", type=int, default=2, help="timed generations per batch size (best)")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        parser.error("needs CUDA (CUDA graphs exist on GPUs only)")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("CUDA is not available here (CUDA graphs exist on GPUs only)")
     batches = [int(b) for b in args.batch_sizes.split(",")]
     rows = list(range(1, args.max_rows + 1))
     kinds = {"eager": False, "graphs": True}
@@ -53,16 +52,14 @@ def main() -> None:
         for i in range(args.repeat + 2):  # the first two rounds warm up (and capture)
             for m in rows:
                 for kind, forward in forwards.items():
-                    torch.cuda.synchronize()
-                    start = time.perf_counter()
-                    forward(m)
-                    torch.cuda.synchronize()
+                    _sync()
+                    seconds = timed(_synced, forward, m)[1]
                     if i >= 2:
-                        step_ms[(kind, m)].append((time.perf_counter() - start) * 1e3)
+                        step_ms[(kind, m)].append(seconds * 1e3)
         stack.close()  # the prefilled sequences give their blocks back
         rates = _generation(args, batches)
     ms = {key: median(v) for key, v in step_ms.items()}
-    name = torch.cuda.get_device_name()
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"{args.model} on {name}, torch {torch.__version__}, context {args.context}; median of {args.repeat}")
     print("rows  eager ms  graphs ms  speedup  eager vs 1 row  graphs vs 1 row")
     for m in rows:
@@ -89,14 +86,22 @@ def _generation(args, batches: list[int]) -> dict[tuple[str, int], float]:
         for b in batches:
             prompts = torch.randint(0, vocab, (b, args.prompt_len), generator=gen).tolist()
             for kind, llm in llms.items():
-                llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-                best = float("inf")
-                for _ in range(args.repeat_generate):
-                    start = time.perf_counter()
-                    llm.generate(prompts, params)
-                    best = min(best, time.perf_counter() - start)
+                llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+                best = min(timed(llm.generate, prompts, params, use_tqdm=False)[1] for _ in range(args.repeat_generate))
                 rates[(kind, b)] = b * args.output_len / best
     return rates
+
+
+def _synced(forward, rows: int) -> None:
+    """One forward, finished on the device."""
+    forward(rows)
+    _sync()
+
+
+def _sync() -> None:
+    """Wait for the GPU's queued work (the forwards return before it is done)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 if __name__ == "__main__":

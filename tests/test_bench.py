@@ -488,3 +488,21 @@ def test_machine_info_names_the_commit_that_runs(tmp_path, monkeypatch):
                            text=True, cwd=source).stdout.strip()
     assert commit == head + ("+modified" if dirty else "")
     assert re.fullmatch(r"[0-9a-f]{7,}(\+modified)?", commit)
+
+
+def test_bench_cuda_graphs_script_runs_its_tables(tiny, monkeypatch, capsys):
+    """benchmarks/bench_cuda_graphs.py end to end; on the CPU both engines run eagerly (a smoke
+    test of the script, not a measurement)."""
+    import runpy
+    import sys
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_cuda_graphs.py"
+    monkeypatch.setattr(sys, "argv", [str(script), "--device", "cpu", "--model", tiny, "--context", "16",
+                                      "--max-rows", "3", "--repeat", "2", "--batch-sizes", "1,2",
+                                      "--prompt-len", "4", "--output-len", "4", "--repeat-generate", "1"])
+    runpy.run_path(str(script), run_name="__main__")
+    lines = capsys.readouterr().out.splitlines()
+    steps = lines.index("rows  eager ms  graphs ms  speedup  eager vs 1 row  graphs vs 1 row")
+    assert [line.split()[0] for line in lines[steps + 1 : steps + 4]] == ["1", "2", "3"]
+    batches = lines.index("batch  eager tok/s  graphs tok/s  speedup  graphs vs batch 1")
+    assert [line.split()[0] for line in lines[batches + 1 :]] == ["1", "2"]
