@@ -42,22 +42,22 @@ def main() -> None:
     rows = list(range(1, args.max_rows + 1))
     kinds = {"eager": False, "graphs": True}
     step_ms: dict[tuple[str, int], list[float]] = {(kind, m): [] for kind in kinds for m in rows}
-    with ExitStack() as stack:
+    with ExitStack() as engines:
         # k sizes the verify windows an engine graphs (k + 1 rows), also in AR mode
-        llms = {kind: stack.enter_context(LLM(args.model, device=args.device, dtype=args.dtype, cuda_graphs=on,
-                                              k=args.max_rows - 1))
+        llms = {kind: engines.enter_context(LLM(args.model, device=args.device, dtype=args.dtype, cuda_graphs=on,
+                                                k=args.max_rows - 1, max_num_seqs=max(batches)))
                 for kind, on in kinds.items()}
-        forwards = {kind: stack.enter_context(prefilled(llm, args.context, args.max_rows))
-                    for kind, llm in llms.items()}
-        for i in range(args.repeat + 2):  # the first two rounds warm up (and capture)
-            for m in rows:
-                for kind, forward in forwards.items():
-                    _sync()
-                    seconds = timed(_synced, forward, m)[1]
-                    if i >= 2:
-                        step_ms[(kind, m)].append(seconds * 1e3)
-        stack.close()  # the prefilled sequences give their blocks back
-        rates = _generation(args, batches)
+        with ExitStack() as prefills:  # the prefilled sequences give their blocks back after the steps
+            forwards = {kind: prefills.enter_context(prefilled(llm, args.context, args.max_rows))
+                        for kind, llm in llms.items()}
+            for i in range(args.repeat + 2):  # the first two rounds warm up (and capture)
+                for m in rows:
+                    for kind, forward in forwards.items():
+                        _sync()
+                        seconds = timed(_synced, forward, m)[1]
+                        if i >= 2:
+                            step_ms[(kind, m)].append(seconds * 1e3)
+        rates = _generation(llms, args, batches)
     ms = {key: median(v) for key, v in step_ms.items()}
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"{args.model} on {name}, torch {torch.__version__}, context {args.context}; median of {args.repeat}")
@@ -73,22 +73,19 @@ def main() -> None:
         print(f"{b:5d}  {e:11.1f}  {g:12.1f}  {g / e:6.2f}x  {g / rates[('graphs', batches[0])]:16.2f}x")
 
 
-def _generation(args, batches: list[int]) -> dict[tuple[str, int], float]:
+def _generation(llms: dict, args, batches: list[int]) -> dict[tuple[str, int], float]:
     """Tokens per second of greedy AR generation per engine kind and batch size."""
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    vocab = next(iter(llms.values())).engine.loaded.arch.vocab_size
     rates: dict[tuple[str, int], float] = {}
-    with ExitStack() as stack:
-        llms = {kind: stack.enter_context(LLM(args.model, device=args.device, dtype=args.dtype, cuda_graphs=on,
-                                              max_num_seqs=max(batches)))
-                for kind, on in (("eager", False), ("graphs", True))}
-        vocab = next(iter(llms.values())).engine.loaded.arch.vocab_size
-        for b in batches:
-            prompts = torch.randint(0, vocab, (b, args.prompt_len), generator=gen).tolist()
-            for kind, llm in llms.items():
-                llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-                best = min(timed(llm.generate, prompts, params, use_tqdm=False)[1] for _ in range(args.repeat_generate))
-                rates[(kind, b)] = b * args.output_len / best
+    for b in batches:
+        prompts = torch.randint(0, vocab, (b, args.prompt_len), generator=gen).tolist()
+        for kind, llm in llms.items():
+            llm.generate(prompts[:1], warm, use_tqdm=False)
+            best = min(timed(llm.generate, prompts, params, use_tqdm=False)[1] for _ in range(args.repeat_generate))
+            rates[(kind, b)] = b * args.output_len / best
     return rates
 
 
