@@ -182,6 +182,18 @@ def test_cli_argument_errors_are_one_line_pointing_to_help():
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "not allowed with argument" in r.stderr
 
 
+def test_cli_options_must_be_spelled_in_full_and_unknown_ones_name_their_nearest():
+    """argparse's prefix matching read ``bench --output DIR`` as ``--output-len DIR`` and failed on
+    an int; a prefix is now an unknown option, with the options it may have meant."""
+    r = run_main("bench", "--output", "results")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "unrecognized option: --output (did you mean --output-len or --out?)" in r.stderr
+    assert "see `specfork bench --help`" in r.stderr
+    r = run_main("generate", "--prompt", "Hi", "--max-token=3", "--no-such-thing")
+    assert r.returncode == 2
+    assert "unrecognized options: --max-token (did you mean --max-tokens?), --no-such-thing" in r.stderr
+
+
 def test_cli_prompts_file_errors(tmp_path, tiny_dir):
     cases = {
         b'{"token_ids": [1, 2]}\n\xff\xfe bad bytes\n': "line 2: line is not valid UTF-8",
