@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specfork import LLM, SamplingParams, SpecforkError
-from specfork.speculative.auto_k import PROBE_EVERY, AutoK, StepCosts, modelled_round_s, plan
+from specfork.speculative.auto_k import FIRST_PROBE, PROBE_EVERY, AutoK, StepCosts, modelled_round_s, plan
 
 
 def test_plan_maximises_expected_tokens_per_second():
@@ -27,15 +27,15 @@ def test_observed_acceptance_moves_the_choice():
     costs = StepCosts(draft_s=0.001, verify_s=tuple(0.010 + 0.002 * (m - 1) for m in range(1, 10)))
     auto = AutoK(costs)
     for _ in range(64):  # every proposal rejected at once
-        k = auto.k_for_round()
+        k = auto.ks_for_round()[0]
         auto.observe(max(k, 1), 0)
-        auto.end_round(k, modelled_round_s(costs, k))
+        auto.end_round([k], modelled_round_s(costs, k))
     assert auto.alpha < 0.1 and auto.current.k == 0
     assert "k=0" in auto.explain() and "without speculation" in auto.explain()
     for _ in range(256):  # now everything is accepted
-        k = auto.k_for_round()
+        k = auto.ks_for_round()[0]
         auto.observe(k, k)
-        auto.end_round(k, modelled_round_s(costs, k))
+        auto.end_round([k], modelled_round_s(costs, k))
     assert auto.alpha > 0.6 and auto.current.k > 0
 
 
@@ -48,11 +48,11 @@ def test_plain_decoding_does_not_drift_back_to_speculating_without_evidence():
     assert plan(costs, 0.5)[0].k > 0 and plan(costs, 0.2)[0].k == 0
     ks, speculating = [], 0
     for _ in range(600):
-        k = auto.k_for_round()
+        k = auto.ks_for_round()[0]
         if k:
             speculating += 1
             auto.observe(k, 1 if speculating % 5 == 0 else 0)  # the first draft accepted 1 time in 5
-        auto.end_round(k, modelled_round_s(costs, k))
+        auto.end_round([k], modelled_round_s(costs, k))
         ks.append(k)
     late = ks[200:]
     assert auto.current.k == 0 and 0.1 < auto.alpha < 0.3
@@ -70,10 +70,10 @@ def test_measured_round_times_fall_back_to_plain_decoding_when_speculation_does_
     def run(rounds: int, slowdown: float) -> list[int]:
         ks = []
         for _ in range(rounds):
-            k = auto.k_for_round()
+            k = auto.ks_for_round()[0]
             accepted = sum(1 for j in range(k) if j % 2 == 0 and all(i % 2 == 0 for i in range(j)))  # about a = 0.5
             auto.observe(k, min(accepted, 1))
-            auto.end_round(k, modelled_round_s(costs, k) * (slowdown if k else 1.0))
+            auto.end_round([k], modelled_round_s(costs, k) * (slowdown if k else 1.0))
             ks.append(k)
         return ks
 
@@ -82,6 +82,72 @@ def test_measured_round_times_fall_back_to_plain_decoding_when_speculation_does_
     assert "measured rounds" in auto.explain()
     run(200, slowdown=1.0)
     assert auto.current.k > 0
+
+
+def test_forward_time_is_interpolated_between_measured_windows_and_extended_past_them():
+    costs = StepCosts(draft_s=0.002, verify_s=tuple(0.010 + 0.001 * (m - 1) for m in range(1, 10)),
+                      long_s=((16, 0.030), (32, 0.070)))
+    assert costs.forward_s(9) == pytest.approx(0.018)
+    assert costs.forward_s(12) == pytest.approx(0.018 + 0.012 * 3 / 7)  # between 9 and 16 rows
+    assert costs.forward_s(24) == pytest.approx(0.050)  # between 16 and 32
+    assert costs.forward_s(64) == pytest.approx(0.070 + 0.0025 * 32)  # the last slope, past 32
+    assert costs.draft_step_s(1) == 0.002 and costs.draft_step_s(8) == pytest.approx(0.002 * 0.017 / 0.010)
+    assert StepCosts(0.0, (0.01, 0.02)).forward_s(5) == pytest.approx(0.05)  # no longer windows: the last slope
+
+
+# One sequence verifies 2..9 rows for little more than one (memory-bound), but past 8 rows the
+# forward grows with its rows (compute-bound): what a 2-core CPU measures.
+CPU_LIKE = StepCosts(draft_s=0.0002, verify_s=(0.0050, 0.0052, 0.0055, 0.0058, 0.0062, 0.0066, 0.0070, 0.0074, 0.0080),
+                     long_s=((16, 0.0140), (32, 0.0280), (64, 0.0560)))
+
+
+def test_a_round_is_priced_by_the_rows_of_its_whole_batch():
+    """At batch 1, k = 4 costs 1.24x a plain step; at batch 8 the batch's 40 rows cost 4.5x its
+    8: speculation pays at batch 1 and not at batch 8 (priced per sequence, it did at both)."""
+    assert modelled_round_s(CPU_LIKE, 4, batch=8) == pytest.approx(4 * 0.0002 * 0.0074 / 0.0050 + 0.0280 + 0.0280 / 4)
+    alone, batched = plan(CPU_LIKE, alpha=0.6)[0], plan(CPU_LIKE, alpha=0.6, batch=8)[0]
+    assert alone.k > 0 and batched.k == 0
+    assert batched.tokens_per_s == pytest.approx(8 / 0.0074)  # the batch's rate
+    auto = AutoK(CPU_LIKE)
+    for accepted in [1, 1, 1, 0, 0] * 20:  # a = 0.6 with plenty of evidence
+        auto.observe(1, accepted)
+    assert auto.alpha == pytest.approx(0.6, abs=0.01)
+    assert max(auto.ks_for_round(8)) == 0 and "k=0 at batch 8" in auto.explain()
+    assert max(auto.ks_for_round(1)) > 0
+
+
+def test_a_probe_in_a_batch_speculates_for_one_sequence_in_turn():
+    auto = AutoK(CPU_LIKE)
+    for accepted in ([1] + [0] * 9) * 3:  # a = 0.1: plain decoding at any batch size
+        auto.observe(1, accepted)
+    probes = []
+    for _ in range(3 * PROBE_EVERY):
+        ks = auto.ks_for_round(4)
+        if any(ks):
+            probes.append(ks)
+            auto.observe(1, 0)
+        auto.end_round(ks, modelled_round_s(CPU_LIKE, max(ks), 4))
+    assert len(probes) == 3 and all(sorted(ks) == [0, 0, 0, 1] for ks in probes)
+    assert len({ks.index(1) for ks in probes}) == 3  # a different sequence each time
+    assert (4, 1) not in auto._overhead  # a mixed round prices no single k
+    assert auto.rounds == 3 * PROBE_EVERY and FIRST_PROBE < PROBE_EVERY
+
+
+def test_measured_overhead_is_kept_per_batch_size():
+    """Rounds at batch 8 that speculate turn out 3x slower than modelled; that must stop
+    speculation at batch 8 without stopping it at batch 1, where the model holds."""
+    costs = StepCosts(draft_s=0.0002, verify_s=tuple(0.005 + 0.0001 * (m - 1) for m in range(1, 10)),
+                      long_s=((16, 0.0060), (32, 0.0070), (64, 0.0090)))  # a GPU-like flat forward
+    auto = AutoK(costs)
+    for _ in range(200):
+        for batch, slowdown in ((8, 3.0), (1, 1.0)):
+            ks = auto.ks_for_round(batch)
+            k = max(ks)
+            auto.observe(k, k // 2)
+            auto.end_round(ks, modelled_round_s(costs, k, batch) * (slowdown if k and min(ks) else 1.0))
+    assert auto.overhead(1, 8) > 2 and auto.overhead(1, 1) == pytest.approx(1.0)
+    assert max(auto.ks_for_round(8)) == 0 or auto.rounds % PROBE_EVERY == FIRST_PROBE
+    assert max(auto.ks_for_round(1)) > 0
 
 
 def test_k_auto_sd_equals_ar(tiny_checkpoints):
@@ -94,6 +160,7 @@ def test_k_auto_sd_equals_ar(tiny_checkpoints):
         assert [o.token_ids for o in llm.generate(prompts, params)] == ar
         auto = llm.engine.step_strategy.auto_k
         assert len(auto.costs.verify_s) == 9 and all(t > 0 for t in auto.costs.verify_s)
+        assert [m for m, _ in auto.costs.long_s] == [16, 32, 64] and all(t > 0 for _, t in auto.costs.long_s)
         assert (auto.costs.draft_s == 0) == (drafter == "ngram")
 
 

@@ -1,25 +1,35 @@
 """``--k auto``: choose the number of speculated tokens from measured costs and acceptance.
 
 With a per-token acceptance probability a, a round that proposes k tokens yields
-E(k) = (1 - a^(k+1)) / (1 - a) tokens (accepted ones plus the bonus) and costs
-T(k) = k * t_draft + t_verify(k + 1), where t_verify(m) is one target forward over m rows. The
-step times are measured once on this machine when the engine is built; a is estimated from the
+E(k) = (1 - a^(k+1)) / (1 - a) tokens per sequence (accepted ones plus the bonus). A round of B
+sequences costs T(B, k) = k * t_draft(B) + t_forward(B * (k + 1)): every sequence's k + 1 rows go
+through one target forward, so a round's cost depends on the rows of the whole batch, not on one
+sequence's window (at batch 8 on a 2-core CPU a k = 1 round costs nearly twice a plain one; priced
+as one sequence's 2-row window, k auto speculated there and lost to AR). t_forward is measured once
+on this machine when the engine is built, for windows of 1..K_MAX + 1 rows and of 16, 32 and 64
+rows, interpolated between them and extended along the last slope; a draft step of B rows is
+scaled from one row's as the target's forward is. a is estimated from the
 recent rounds (the maximum-likelihood estimate for a geometric run of acceptances, with older
 rounds forgotten gradually and a weak prior: the run's own long-horizon acceptance once known)
 and k is re-planned every few rounds. k = 0 (plain decoding) is allowed when no
-speculation pays; a k = 1 probe round now and then keeps the estimate of a current.
+speculation pays; a k = 1 probe round now and then keeps the estimate of a current. In a batch
+the probe speculates for one sequence only (in turn): a round of B + 1 rows, where probing every
+sequence would double a compute-bound step for evidence one sequence already gives.
 
 The measured step times leave out what a real round adds (sampling the drafts, the draft
-catching up on accepted tokens, verification, bookkeeping), and that overhead differs between
-k = 0 and k > 0. So every round's wall time is compared with its modelled time, and the ratio
-(per k, a moving average; an unmeasured k borrows the nearest measured one's) scales the model's
-round times. A k = 0 probe round now and then, while speculating, keeps plain decoding's real
+catching up on accepted tokens, verification, bookkeeping, attention over every sequence's own
+context), and that overhead differs between k = 0 and k > 0 and between batch sizes. So every
+round's wall time is compared with its modelled time, and the ratio (per batch size and k, a moving
+average; an unmeasured pair borrows from the nearest measured pair of its kind, plain or
+speculating) scales the model's round times. A k = 0 probe round now and then, while speculating, keeps plain decoding's real
 rate known: ``k auto`` falls back to it whenever speculation does not pay.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -42,10 +52,44 @@ DECAY = 0.98  # per round: acceptance counts forget with a horizon of about 50 r
 OVERHEAD_WEIGHT = 0.3  # weight of a new round in the moving average of measured / modelled time
 
 
+MEASURE_CONTEXT = 64  # cached tokens before a measured forward
+LONG_WINDOWS = (16, 32, 64)  # rows of the longer windows measured for batched rounds
+
+
 @dataclass(frozen=True)
 class StepCosts:
     draft_s: float  # one draft forward of one token (0 for n-gram lookup)
     verify_s: tuple[float, ...]  # one target forward of m = 1 .. K_MAX + 1 rows, index m - 1
+    long_s: tuple[tuple[int, float], ...] = ()  # (rows, seconds) of longer windows, rows ascending
+
+    def forward_s(self, rows: int) -> float:
+        """One target forward of ``rows`` rows: measured, interpolated between measured windows,
+        or extended past the longest along its slope from the longest window of at most half
+        its rows (a span wide enough to average out single-row steps; never decreasing)."""
+        if rows <= len(self.verify_s):
+            return self.verify_s[rows - 1]
+        points = [*enumerate(self.verify_s, start=1), *self.long_s]
+        for (r0, t0), (r1, t1) in itertools.pairwise(points):
+            if rows <= r1:
+                return t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
+        r1, t1 = points[-1]
+        if r1 == 1:
+            return t1
+        r0, t0 = max(p for p in points if p[0] <= r1 / 2)
+        return t1 + max(0.0, (t1 - t0) / (r1 - r0)) * (rows - r1)
+
+    def draft_step_s(self, batch: int) -> float:
+        """One draft step of ``batch`` rows, scaled from one row's as the target's forward scales."""
+        return self.draft_s * self.forward_s(batch) / self.forward_s(1)
+
+
+def measure_step_costs(runner, block_manager, draft_s: float, max_model_len: int, k_max: int = K_MAX) -> StepCosts:
+    """The target's forwards on this machine: windows of 1..k_max + 1 rows, and of LONG_WINDOWS
+    rows where the context length and the free cache allow them."""
+    verify = tuple(measure_forward(runner, block_manager, m) for m in range(1, k_max + 2))
+    fits = [m for m in LONG_WINDOWS if m > k_max + 1 and MEASURE_CONTEXT + m <= max_model_len
+            and block_manager.blocks_for(MEASURE_CONTEXT + m) <= block_manager.num_free_blocks]
+    return StepCosts(draft_s, verify, tuple((m, measure_forward(runner, block_manager, m, repeat=2)) for m in fits))
 
 
 def time_call(fn: Callable[[], object], repeat: int = 5) -> float:
@@ -66,7 +110,7 @@ def _wait_for_gpu() -> None:
         torch.cuda.synchronize()
 
 
-def measure_forward(runner, block_manager, rows: int, context: int = 64) -> float:
+def measure_forward(runner, block_manager, rows: int, context: int = MEASURE_CONTEXT, repeat: int = 5) -> float:
     """Median time of one decode-style forward of ``rows`` new tokens after ``context`` cached ones."""
     from specfork.engine.sequence import Sequence
     from specfork.sampling_params import SamplingParams
@@ -77,7 +121,7 @@ def measure_forward(runner, block_manager, rows: int, context: int = 64) -> floa
     block_manager.grow(seq, len(tokens))
     try:
         runner.forward([seq], [0], [tokens[:context]], [context - 1], decode=False)
-        return time_call(lambda: runner.forward([seq], [context], [tokens[context:]], list(range(rows))))
+        return time_call(lambda: runner.forward([seq], [context], [tokens[context:]], list(range(rows))), repeat)
     finally:
         block_manager.free(seq)
 
@@ -86,28 +130,30 @@ def measure_forward(runner, block_manager, rows: int, context: int = 64) -> floa
 class Plan:
     k: int
     alpha: float
-    expected_tokens: float
+    expected_tokens: float  # per sequence
     round_s: float
+    batch: int = 1
 
     @property
     def tokens_per_s(self) -> float:
-        return self.expected_tokens / self.round_s
+        """The batch's expected rate."""
+        return self.batch * self.expected_tokens / self.round_s
 
 
 def plan(costs: StepCosts, alpha: float, k_max: int = K_MAX,
-         overhead: Callable[[int], float] = lambda k: 1.0) -> list[Plan]:
-    """The expected rate of every k in 0..k_max, best first; ``overhead(k)`` scales the modelled
-    round time of k (measured / modelled)."""
+         overhead: Callable[[int], float] = lambda k: 1.0, batch: int = 1) -> list[Plan]:
+    """The expected rate of every k in 0..k_max for rounds of ``batch`` sequences, best first;
+    ``overhead(k)`` scales the modelled round time of k (measured / modelled)."""
     plans = []
     for k in range(0, k_max + 1):
         expected = float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-        plans.append(Plan(k, alpha, expected, modelled_round_s(costs, k) * overhead(k)))
+        plans.append(Plan(k, alpha, expected, modelled_round_s(costs, k, batch) * overhead(k), batch))
     return sorted(plans, key=lambda p: -p.tokens_per_s)
 
 
-def modelled_round_s(costs: StepCosts, k: int) -> float:
-    """T(k) = k * t_draft + t_verify(k + 1)."""
-    return k * costs.draft_s + costs.verify_s[k]
+def modelled_round_s(costs: StepCosts, k: int, batch: int = 1) -> float:
+    """T(B, k) = k * t_draft(B) + t_forward(B * (k + 1))."""
+    return k * costs.draft_step_s(batch) + costs.forward_s(batch * (k + 1))
 
 
 class AutoK:
@@ -122,7 +168,7 @@ class AutoK:
         self.run_trials = 0.0
         self.rounds = 0
         self._since_plan = 0
-        self._overhead: dict[int, float] = {}  # k -> moving average of measured / modelled round time
+        self._overhead: dict[tuple[int, int], float] = {}  # (batch, k) -> moving average of measured / modelled
         self.current = plan(costs, self.alpha, k_max)[0]
         logger.info("k auto: %s", self.explain())
 
@@ -141,20 +187,30 @@ class AutoK:
     def alpha(self) -> float:
         return (self.accepted + self.prior * PRIOR_TRIALS) / (self.trials + PRIOR_TRIALS)
 
-    def k_for_round(self) -> int:
+    def ks_for_round(self, batch: int = 1) -> list[int]:
+        """How many tokens each of the next round's ``batch`` sequences proposes (a new batch size
+        is planned for at once)."""
         self.rounds += 1
-        if self.rounds % PROBE_EVERY == FIRST_PROBE:
-            return 1 if self.current.k == 0 else 0
-        return self.current.k
+        if batch != self.current.batch:
+            self._replan(batch)
+        if self.rounds % PROBE_EVERY != FIRST_PROBE:
+            return [self.current.k] * batch
+        if self.current.k > 0:
+            return [0] * batch
+        turn = self.rounds // PROBE_EVERY % batch
+        return [int(i == turn) for i in range(batch)]
 
-    def overhead(self, k: int) -> float:
-        """Measured / modelled round time of k; an unmeasured k borrows the nearest measured k's
-        (the nearest below on a tie); 1 before any round."""
-        if k in self._overhead:
-            return self._overhead[k]
-        if not self._overhead:
+    def overhead(self, k: int, batch: int = 1) -> float:
+        """Measured / modelled round time of k at ``batch`` sequences. An unmeasured pair borrows
+        from a measured round of the same kind (plain, k = 0, or speculating, k > 0: their
+        overheads differ most): the nearest batch size (by ratio), then the nearest k (the
+        nearest below on a tie); 1 before any round of its kind."""
+        if (batch, k) in self._overhead:
+            return self._overhead[(batch, k)]
+        same_kind = [bk for bk in self._overhead if (bk[1] > 0) == (k > 0)]
+        if not same_kind:
             return 1.0
-        nearest = min(self._overhead, key=lambda m: (abs(m - k), m))
+        nearest = min(same_kind, key=lambda bk: (abs(math.log2(bk[0] / batch)), abs(bk[1] - k), bk[1]))
         return self._overhead[nearest]
 
     def observe(self, proposed: int, accepted: int) -> None:
@@ -168,32 +224,40 @@ class AutoK:
         self.run_accepted = self.run_accepted * forget + accepted
         self.run_trials = self.run_trials * forget + trials
 
-    def end_round(self, k: int, seconds: float) -> None:
-        """A round that proposed up to ``k`` tokens per sequence took ``seconds`` of wall time."""
-        ratio = seconds / max(modelled_round_s(self.costs, k), 1e-9)
-        old = self._overhead.get(k)
-        self._overhead[k] = ratio if old is None else (1 - OVERHEAD_WEIGHT) * old + OVERHEAD_WEIGHT * ratio
+    def end_round(self, ks: list[int], seconds: float) -> None:
+        """A round whose sequences proposed up to ``ks`` tokens each took ``seconds`` of wall
+        time (a round mixing several k, a probe in a batch, is priced by no single k)."""
+        k, batch = max(ks), len(ks)
+        if min(ks) == k:
+            ratio = seconds / max(modelled_round_s(self.costs, k, batch), 1e-9)
+            old = self._overhead.get((batch, k))
+            self._overhead[(batch, k)] = ratio if old is None else (1 - OVERHEAD_WEIGHT) * old + OVERHEAD_WEIGHT * ratio
         self.accepted *= DECAY
         self.trials *= DECAY
         self._since_plan += 1
         if self._since_plan >= REPLAN_EVERY:
-            self._since_plan = 0
-            best = plan(self.costs, self.alpha, self.k_max, self.overhead)[0]
-            if best.k != self.current.k:
-                logger.info("k auto: k %d -> %d (%s)", self.current.k, best.k, self._why(best))
-            self.current = best
+            self._replan(self.current.batch)
+
+    def _replan(self, batch: int) -> None:
+        self._since_plan = 0
+        best = plan(self.costs, self.alpha, self.k_max, lambda k: self.overhead(k, batch), batch)[0]
+        if best.k != self.current.k:
+            logger.info("k auto: k %d -> %d (%s)", self.current.k, best.k, self._why(best))
+        self.current = best
 
     def explain(self) -> str:
         return self._why(self.current)
 
     def _why(self, chosen: Plan) -> str:
-        ar = plan(self.costs, self.alpha, 0, self.overhead)[0]
+        ar = plan(self.costs, self.alpha, 0, lambda k: self.overhead(k, chosen.batch), chosen.batch)[0]
         verify = ", ".join(f"{t * 1000:.1f}" for t in self.costs.verify_s)
+        batch = f" at batch {chosen.batch}" if chosen.batch > 1 else ""
+        per_seq = " per sequence" if chosen.batch > 1 else ""
         return (
-            f"k={chosen.k}: acceptance per token a={chosen.alpha:.2f} (recent draft positions, weighted: "
+            f"k={chosen.k}{batch}: acceptance per token a={chosen.alpha:.2f} (recent draft positions, weighted: "
             f"{self.trials:.0f}), "
             f"draft step {self.costs.draft_s * 1000:.2f} ms, target forward of 1..{len(self.costs.verify_s)} rows "
-            f"[{verify}] ms, measured rounds {self.overhead(chosen.k):.2f}x the model's -> "
-            f"{chosen.expected_tokens:.2f} tokens per {chosen.round_s * 1000:.1f} ms round = "
+            f"[{verify}] ms, measured rounds {self.overhead(chosen.k, chosen.batch):.2f}x the model's -> "
+            f"{chosen.expected_tokens:.2f} tokens{per_seq} per {chosen.round_s * 1000:.1f} ms round = "
             f"{chosen.tokens_per_s:.1f} tok/s expected vs {ar.tokens_per_s:.1f} tok/s without speculation"
         )

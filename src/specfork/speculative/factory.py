@@ -40,12 +40,10 @@ def build_speculative_step(engine: LLMEngine) -> SpeculativeStep:
                                            corpus=corpus, corpus_tokens=config.corpus_tokens)
     auto_k = None
     if config.auto_k:
-        from specfork.config import K_MAX
-        from specfork.speculative.auto_k import AutoK, StepCosts, measure_forward
+        from specfork.speculative.auto_k import AutoK, measure_step_costs
 
-        verify = tuple(measure_forward(engine.runner, engine.block_manager, m) for m in range(1, K_MAX + 2))
         draft_s = 0.0 if config.drafter == "ngram" else proposer.draft_step_seconds()
-        auto_k = AutoK(StepCosts(draft_s, verify))
+        auto_k = AutoK(measure_step_costs(engine.runner, engine.block_manager, draft_s, engine.max_model_len))
     return SpeculativeStep(engine.runner, proposer, k=config.k_max, max_model_len=engine.max_model_len, auto_k=auto_k)
 
 

@@ -90,18 +90,18 @@ class SpeculativeStep:
         if batch.is_prefill:
             return self._plain_pass(batch)
         seqs = batch.seqs
-        k = self.auto_k.k_for_round() if self.auto_k is not None else self.k
+        ks = self.auto_k.ks_for_round(len(seqs)) if self.auto_k is not None else [self.k] * len(seqs)
         t0 = time.perf_counter()
-        if k == 0:  # k auto chose plain decoding (SSD's k is fixed: its drafter hears of every round)
+        if not any(ks):  # k auto chose plain decoding (SSD's k is fixed: its drafter hears of every round)
             out = self._plain_pass(batch)
             seconds = time.perf_counter() - t0
             for seq in seqs:
                 self._accepted[seq.seq_id] = 0
                 _spec_stats(seq).record(0, 0, 0.0, seconds)
             if self.auto_k is not None:
-                self.auto_k.end_round(k, seconds)
+                self.auto_k.end_round(ks, seconds)
             return out
-        proposal = self.proposer.propose(seqs, [self._budget(s, k) for s in seqs])
+        proposal = self.proposer.propose(seqs, [self._budget(s, k) for s, k in zip(seqs, ks, strict=True)])
         t1 = time.perf_counter()
         logits = self._score(seqs, proposal)
         t2 = time.perf_counter()
@@ -127,7 +127,7 @@ class SpeculativeStep:
                 logprobs = logprob_entries(rows, result.tokens, seq.params.logprobs)
             out[seq] = NewTokens(result.tokens, logprobs)
         if self.auto_k is not None:
-            self.auto_k.end_round(k, time.perf_counter() - t0)
+            self.auto_k.end_round(ks, time.perf_counter() - t0)
         return out
 
     def _plain_pass(self, batch: ScheduledBatch) -> dict[Sequence, NewTokens]:
