@@ -193,6 +193,33 @@ def test_greedy_sd_with_a_head_equals_ar(head_pair, greedy_ar, k, confidence):
         assert proposed < k * sum(o.metrics["spec_rounds"] for o in outs)  # chains ended early
 
 
+def test_a_sequence_that_stops_drafting_catches_up_and_keeps_few_features(head_pair, greedy_ar, monkeypatch):
+    """k auto decoding plainly for 12 rounds, then speculating: while plain, each sequence's
+    waiting features stay at most MAX_PENDING_FEATURES (it catches up), and drafting afterwards
+    still equals AR."""
+    from specfork.speculative import auto_k, eagle3_proposer
+
+    monkeypatch.setattr(eagle3_proposer, "MAX_PENDING_FEATURES", 6)
+    llm = LLM(head_pair["target"], mode="sd", draft=head_pair["draft"], k="auto", deterministic=True)
+    step = llm.engine.step_strategy
+    proposer = step.proposer
+    rounds = []
+    monkeypatch.setattr(auto_k.AutoK, "ks_for_round",
+                        lambda self, batch=1: rounds.append(batch) or [0 if len(rounds) <= 12 else 3] * batch)
+    waiting, accepted = [], proposer.accepted
+
+    def watch(seq, num_accepted):
+        accepted(seq, num_accepted)
+        waiting.append(proposer._states[seq.seq_id].num_features)
+
+    monkeypatch.setattr(proposer, "accepted", watch)
+    outs = llm.generate(GREEDY_PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == greedy_ar
+    plain = waiting[: 12 * len(GREEDY_PROMPTS)]
+    assert max(plain) <= 6 and 0 in plain  # bounded: caught up every few positions
+    assert sum(o.metrics["draft_tokens_proposed"] for o in outs) > 0  # drafting resumed
+
+
 def test_a_confidence_floor_can_leave_a_round_without_a_draft(head_pair, greedy_ar):
     """With a floor above most of the head's top probabilities many chains are empty: those rounds
     are plain decode steps, and greedy output still equals AR."""

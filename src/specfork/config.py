@@ -84,8 +84,8 @@ class Config:
                                "target's vocabulary, an EAGLE-3 head directory (it reads the target's own "
                                "features), or 'default' (also used when omitted): the draft shipped with specfork "
                                "for the embedded model", group=SPECULATIVE)
-    k: int | str = option(5, "tokens proposed per round, or auto (SD): chosen from the draft and target step times "
-                          "measured at start-up and the acceptance observed while generating "
+    k: int | str = option(5, "tokens proposed per round, or auto (SD): chosen for each batch size from the draft and "
+                          "target step times measured at start-up and the acceptance observed while generating "
                           "(speculative/auto_k.py); the choice and its reasons are reported",
                           parse=int_or_auto, group=SPECULATIVE)
     draft_confidence: float | None = option(

@@ -20,6 +20,8 @@ from specfork.engine.sequence import Sequence
 from specfork.speculative.head_runner import HeadRunner, HeadState
 from specfork.speculative.proposer import Proposal
 
+MAX_PENDING_FEATURES = 256  # positions of the target's features a sequence keeps before catching up
+
 
 class Eagle3Proposer:
     def __init__(self, head, *, feature_layers: tuple[int, ...], vocab_size: int, num_blocks: int,
@@ -44,7 +46,13 @@ class Eagle3Proposer:
                            self.drafts.device)
 
     def accepted(self, seq: Sequence, num_accepted: int) -> None:
-        pass  # the head's rows past the caught-up ones are rewritten next round
+        """The head's rows past the caught-up ones are rewritten next round. A sequence that has
+        not drafted for MAX_PENDING_FEATURES positions (k auto decoding plainly, prompt lookup
+        proposing) catches up now, so that the features it keeps stay bounded."""
+        st = self._states.get(seq.seq_id)
+        if st is not None and st.num_features >= MAX_PENDING_FEATURES and st.ready(len(seq.token_ids)):
+            with torch.inference_mode():
+                self.drafts.catch_up([st], [seq.token_ids])
 
     def release(self, seq: Sequence) -> None:
         st = self._states.pop(seq.seq_id, None)

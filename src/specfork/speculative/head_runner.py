@@ -244,11 +244,12 @@ class HeadRunner:
         self.blocks.free(state)
 
     def draft_step_seconds(self) -> float:
-        """Median time of one head step (one row after a 64-row context, with its logits)."""
-        from specfork.speculative.auto_k import time_call
+        """Median time of one head step (one row after a 64-row context, or as long a context as
+        the head's positions allow, with its logits)."""
+        from specfork.speculative.auto_k import MEASURE_CONTEXT, time_call
 
         st = HeadState()
-        context = 64
+        context = min(MEASURE_CONTEXT, self.head.rotary.cos.size(0) - 1)
         self.blocks.grow(st, context + 1)
         d = self.head.config.hidden_size
         try:
