@@ -86,7 +86,8 @@ class Config:
                                "for the embedded model", group=SPECULATIVE)
     k: int | str = option(5, "tokens proposed per round, or auto (SD): chosen for each batch size from the draft and "
                           "target step times measured at start-up and the acceptance observed while generating "
-                          "(speculative/auto_k.py); the choice and its reasons are reported",
+                          "(speculative/auto_k.py); the choice and its reasons are reported. Sampling with a "
+                          "seed is reproducible at a fixed k; auto's choice follows measured times, so it may not be",
                           parse=int_or_auto, group=SPECULATIVE)
     draft_confidence: float | None = option(
         None, "SD with an EAGLE-3 head: take a chain's next token only while the head's probability of the chain "
