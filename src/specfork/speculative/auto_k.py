@@ -87,7 +87,7 @@ def measure_step_costs(runner, block_manager, draft_s: float, max_model_len: int
     """The target's forwards on this machine: windows of 1..k_max + 1 rows, and of LONG_WINDOWS
     rows where the context length and the free cache allow them, after MEASURE_CONTEXT cached
     tokens (fewer where the context length is shorter)."""
-    context = min(MEASURE_CONTEXT, max_model_len - k_max - 1)
+    context = max(1, min(MEASURE_CONTEXT, max_model_len - k_max - 1))
     verify = tuple(measure_forward(runner, block_manager, m, context) for m in range(1, k_max + 2))
     fits = [m for m in LONG_WINDOWS if m > k_max + 1 and context + m <= max_model_len
             and block_manager.blocks_for(context + m) <= block_manager.num_free_blocks]
