@@ -13,6 +13,7 @@ from builders import TINY_VOCAB, llama, randomize_
 
 from specfork.bench.report import (
     COLUMNS,
+    auto_k_summary,
     chart_series,
     format_table,
     markdown,
@@ -278,6 +279,28 @@ def test_bench_sweeps_lookup_first(tiny, tmp_path, capsys):
     assert plain["by_source"] is None  # one source: nothing to split
     rounds = sum(c["rounds"] for c in looked_up["by_source"].values())
     assert rounds > 0 and "Rounds by proposal source" in (out / "results.md").read_text()
+
+
+def test_bench_reports_k_autos_rounds_by_k(tiny, tmp_path):
+    """With --k auto every SD cell records its timed decode rounds by k (warm-up excluded)."""
+    out = tmp_path / "auto"
+    code = main(["bench", "--model", tiny, "--draft", tiny, "--modes", "ar,sd", "--datasets", "random", "--input-len", "8",
+                 "--num-prompts", "2", "--output-len", "12", "--k", "auto", "--batch-size", "2", "--warmup", "1",
+                 "--out", str(out), "--no-progress"])
+    assert code == 0
+    report = json.loads((out / "results.json").read_text())
+    ar, sd = report["results"]
+    assert ar["auto_k_rounds"] is None
+    rounds = sd["auto_k_rounds"]
+    assert set(rounds) <= {"probe", *(f"k={k}" for k in range(9))}
+    # one batch of 2 after its prefill: 11 more tokens each, at least 2 rounds (k <= 8), at most 11
+    # (a count that kept the warm-up's rounds too would be about twice the timed run's)
+    assert 2 <= sum(rounds.values()) <= 11
+    assert "k auto's decode rounds by k" in (out / "results.md").read_text()
+
+
+def test_auto_k_summary_orders_by_k_with_probes_last():
+    assert auto_k_summary({"probe": 3, "k=10": 1, "k=0": 94, "k=2": 2}) == "k=0 94%, k=2 2%, k=10 1%, probe 3% (100 rounds)"
 
 
 def test_source_summary_gives_each_sources_share_and_acceptance():

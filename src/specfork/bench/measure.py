@@ -33,6 +33,7 @@ class RunResult:
     acceptance_by_position: list[float] | None = None  # accepted / proposed at each chain position
     by_source: dict | None = None  # SD with lookup first: rounds, proposed, accepted per proposal source
     draft_step_ratio: float | None = None  # one draft step / one target decode step (SD with a draft or head)
+    auto_k_rounds: dict | None = None  # --k auto: the timed decode rounds by k ("k=N") and mixed probes ("probe")
     ssd_hidden_fraction: float | None = None  # share of the drafter's work hidden behind verification
     # Tensor parallelism: the shards' sums (all-gather and add) per forward, ms each, share of the run.
     sums_per_forward: float | None = None

@@ -191,7 +191,19 @@ def _acceptance_lines(report: dict) -> list[str]:
         out += ["", "Rounds by proposal source (lookup: a repeated n-gram proposed; corpus: the lookup corpus did; "
                 "draft: the draft or head did; share of rounds, accepted drafts per round, accepted / proposed):",
                 *sources]
+    chosen = [f"* {_label(r)}, {r['dataset']}: {auto_k_summary(r['auto_k_rounds'])}"
+              for r in report["results"] if r.get("auto_k_rounds")]
+    if chosen:
+        out += ["", "k auto's decode rounds by k (share of the timed rounds; probe: one sequence of the batch "
+                "speculated, the others decoded plainly):", *chosen]
     return out
+
+
+def auto_k_summary(rounds: dict) -> str:
+    """The shares of the rounds, in order of k and probes last: "k=0 94%, k=1 3%, probe 3% (1031 rounds)"."""
+    total = sum(rounds.values())
+    order = sorted(rounds, key=lambda name: (name == "probe", int(name[2:]) if name != "probe" else 0))
+    return ", ".join(f"{name} {rounds[name] / total:.0%}" for name in order) + f" ({total} rounds)"
 
 
 def source_summary(by_source: dict) -> str:

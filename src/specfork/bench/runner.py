@@ -100,6 +100,8 @@ def run_interleaved(modes: list[str], dataset: str, prompts: list[list[int]], s:
                 llm.generate(prompts[: s.batch_size], replace(params, max_tokens=min(16, s.output_len)))
             if llm.engine.parallel is not None:
                 llm.engine.parallel.collectives.reset()
+            if (auto_k := _auto_k(llm)) is not None:
+                auto_k.rounds_by_k.clear()  # count the timed rounds only
         loaded = {run.name: stack.enter_context(run.open()) for run in peers}
         for generate_group in loaded.values():
             warm_up(generate_group, prompts, s)
@@ -143,6 +145,7 @@ def _result(mode: str, dataset: str, s: BenchSettings, llm, speeds: list[float],
         acceptance_by_position=agg.get("acceptance_by_position"),
         by_source=agg.get("by_source"),
         draft_step_ratio=_draft_step_ratio(llm) if mode == "sd" else None,
+        auto_k_rounds=dict(sorted(auto_k.rounds_by_k.items())) if (auto_k := _auto_k(llm)) is not None else None,
         ssd_hidden_fraction=agg.get("ssd_hidden_fraction"),
         latency_s=percentiles([o.metrics["time_s"] for o in outputs]),
         ttft_s=percentiles([o.metrics["ttft_s"] for o in outputs if o.metrics.get("ttft_s") is not None]),
@@ -180,6 +183,11 @@ def _sums(parallel, tokens: int, speeds: list[float]) -> dict:
     wall = sum(tokens / speed for speed in speeds)
     return {"sums_per_forward": c.reduce_calls / max(c.forwards, 1), "sum_ms": c.mean_reduce_ms,
             "sum_share": c.reduce_seconds / wall if wall else None}
+
+
+def _auto_k(llm):
+    """The engine's ``--k auto`` planner, or None."""
+    return getattr(llm.engine.step_strategy, "auto_k", None)
 
 
 def _draft_step_ratio(llm) -> float | None:

@@ -32,6 +32,7 @@ import logging
 import math
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -172,6 +173,7 @@ class AutoK:
         self.rounds = 0
         self._since_plan = 0
         self._overhead: dict[tuple[int, int], float] = {}  # (batch, k) -> moving average of measured / modelled
+        self.rounds_by_k: Counter[str] = Counter()  # "k=N" (every sequence at k = N) or "probe" (mixed)
         self.current = plan(costs, self.alpha, k_max)[0]
         logger.info("k auto: %s", self.explain())
 
@@ -231,6 +233,7 @@ class AutoK:
         """A round whose sequences proposed up to ``ks`` tokens each took ``seconds`` of wall
         time (a round mixing several k, a probe in a batch, is priced by no single k)."""
         k, batch = max(ks), len(ks)
+        self.rounds_by_k[f"k={k}" if min(ks) == k else "probe"] += 1
         if min(ks) == k:
             ratio = seconds / max(modelled_round_s(self.costs, k, batch), 1e-9)
             old = self._overhead.get((batch, k))
