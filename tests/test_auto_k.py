@@ -150,6 +150,38 @@ def test_measured_overhead_is_kept_per_batch_size():
     assert max(auto.ks_for_round(1)) > 0
 
 
+def test_a_slow_stretch_of_plain_rounds_does_not_hold_k_auto_at_speculating():
+    """At batch 8 plain decoding beats k = 1 by ~7%. A stretch of rounds at twice their time hits
+    while decoding plainly, so k = 0's measured overhead doubles and k auto turns to k = 1; then
+    the machine is back to its pace. The next k = 0 probe must bring it back: an average over
+    samples kept the stale measurement for several probes (over 90 rounds at k = 1)."""
+    auto = AutoK(CPU_LIKE)
+    pattern = [1, 1, 1, 1, 0]  # a = 0.8
+
+    def rounds(n: int, slowdown: float, until_speculating: bool = False) -> list[int]:
+        ks = []
+        for i in range(n):
+            if until_speculating and auto.current.k > 0:
+                break
+            round_ks = auto.ks_for_round(8)
+            k = max(round_ks)
+            for proposed in round_ks:
+                if proposed:
+                    auto.observe(proposed, min(proposed, pattern[i % 5]))
+            auto.end_round(round_ks, modelled_round_s(CPU_LIKE, max(round_ks), 8) * slowdown)
+            ks.append(k)
+        return ks
+
+    for accepted in pattern * 20:
+        auto.observe(1, accepted)
+    rounds(32, slowdown=1.0)
+    assert auto.current.k == 0 and 0.75 < auto.alpha < 0.85
+    rounds(32, slowdown=2.0, until_speculating=True)  # the machine is busy elsewhere while k = 0 runs
+    assert auto.current.k > 0  # plain rounds looked twice as slow as modelled
+    after = rounds(48, slowdown=1.0)
+    assert auto.current.k == 0 and after[-8:].count(0) >= 7, after
+
+
 def test_k_auto_sd_equals_ar(tiny_checkpoints):
     path = str(tiny_checkpoints["llama-gqa-tied"].path)
     prompts = [[1, 5, 9, 5, 9, 5, 9, 5], [1, 2, 3, 4, 2, 3, 4, 2, 3]]

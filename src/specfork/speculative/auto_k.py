@@ -20,8 +20,10 @@ The measured step times leave out what a real round adds (sampling the drafts, t
 catching up on accepted tokens, verification, bookkeeping, attention over every sequence's own
 context), and that overhead differs between k = 0 and k > 0 and between batch sizes. So every
 round's wall time is compared with its modelled time, and the ratio (per batch size and k, a moving
-average; an unmeasured pair borrows from the nearest measured pair of its kind, plain or
-speculating) scales the model's round times. A k = 0 probe round now and then, while speculating, keeps plain decoding's real
+average that forgets with the rounds gone by, not with the samples taken, so that a probe's
+measurement replaces one taken PROBE_EVERY rounds earlier while the machine may have been busier;
+an unmeasured pair borrows from the nearest measured pair of its kind, plain or speculating)
+scales the model's round times. A k = 0 probe round now and then, while speculating, keeps plain decoding's real
 rate known: ``k auto`` falls back to it whenever speculation does not pay.
 """
 
@@ -50,7 +52,7 @@ REPLAN_EVERY = 8  # rounds
 PROBE_EVERY = 32  # rounds between probes of another k (k = 1 at k = 0, k = 0 otherwise)
 FIRST_PROBE = 4  # the round of the first probe, so that plain decoding's real cost is known early
 DECAY = 0.98  # per round: acceptance counts forget with a horizon of about 50 rounds
-OVERHEAD_WEIGHT = 0.3  # weight of a new round in the moving average of measured / modelled time
+OVERHEAD_WEIGHT = 0.3  # per round since the last: weight of a new round in measured / modelled time
 
 
 MEASURE_CONTEXT = 64  # cached tokens before a measured forward
@@ -173,6 +175,7 @@ class AutoK:
         self.rounds = 0
         self._since_plan = 0
         self._overhead: dict[tuple[int, int], float] = {}  # (batch, k) -> moving average of measured / modelled
+        self._measured_at: dict[tuple[int, int], int] = {}  # (batch, k) -> the round of its last update
         self.rounds_by_k: Counter[str] = Counter()  # "k=N" (every sequence at k = N) or "probe" (mixed)
         self.current = plan(costs, self.alpha, k_max)[0]
         logger.info("k auto: %s", self.explain())
@@ -235,9 +238,13 @@ class AutoK:
         k, batch = max(ks), len(ks)
         self.rounds_by_k[f"k={k}" if min(ks) == k else "probe"] += 1
         if min(ks) == k:
+            # An old measurement counts less the older it is (the shared machine's pace moves): one
+            # round ago it keeps 1 - OVERHEAD_WEIGHT, a probe's last, PROBE_EVERY rounds ago, ~0.
             ratio = seconds / max(modelled_round_s(self.costs, k, batch), 1e-9)
             old = self._overhead.get((batch, k))
-            self._overhead[(batch, k)] = ratio if old is None else (1 - OVERHEAD_WEIGHT) * old + OVERHEAD_WEIGHT * ratio
+            keep = (1 - OVERHEAD_WEIGHT) ** (self.rounds - self._measured_at.get((batch, k), self.rounds - 1))
+            self._overhead[(batch, k)] = ratio if old is None else keep * old + (1 - keep) * ratio
+            self._measured_at[(batch, k)] = self.rounds
         self.accepted *= DECAY
         self.trials *= DECAY
         self._since_plan += 1
