@@ -248,13 +248,16 @@ def test_bench_runs_specfork_on_the_chosen_device():
     assert _engine_options("sd", eager)["cuda_graphs"] is False and _cell_settings("ar", eager)["cuda_graphs"] is False
 
 
+def _bench_cli(out, *argv: str) -> dict:
+    """``specfork bench ARGV --out OUT --no-progress``, which must succeed; its results.json."""
+    assert main(["bench", *argv, "--out", str(out), "--no-progress"]) == 0
+    return json.loads((out / "results.json").read_text())
+
+
 def test_bench_cli_sweep_and_all_rows(tiny, tmp_path, capsys):
     out = tmp_path / "cli"
-    code = main(["bench", "--model", tiny, "--draft", tiny, "--modes", "ar,sd", "--datasets", "random",
-                 "--input-len", "8", "--num-prompts", "2", "--output-len", "6", "--sweep", "k=2,4",
-                 "--warmup", "0", "--out", str(out), "--no-progress"])
-    assert code == 0
-    report = json.loads((out / "results.json").read_text())
+    report = _bench_cli(out, "--model", tiny, "--draft", tiny, "--modes", "ar,sd", "--datasets", "random",
+                        "--input-len", "8", "--num-prompts", "2", "--output-len", "6", "--sweep", "k=2,4", "--warmup", "0")
     assert report["command"].startswith("specfork bench --model")
     ks = sorted(r["settings"]["k"] for r in report["results"] if r["mode"] == "sd")
     assert ks == [2, 4]
@@ -268,11 +271,8 @@ def test_bench_cli_sweep_and_all_rows(tiny, tmp_path, capsys):
 def test_bench_sweeps_lookup_first(tiny, tmp_path, capsys):
     """--sweep lookup_first=0,2 runs SD with the draft alone and with prompt lookup first, labelled."""
     out = tmp_path / "lookup"
-    code = main(["bench", "--model", tiny, "--draft", tiny, "--modes", "sd", "--datasets", "random", "--input-len", "8",
-                 "--num-prompts", "1", "--output-len", "6", "--k", "2", "--sweep", "lookup_first=0,2", "--warmup", "0",
-                 "--out", str(out), "--no-progress"])
-    assert code == 0
-    report = json.loads((out / "results.json").read_text())
+    report = _bench_cli(out, "--model", tiny, "--draft", tiny, "--modes", "sd", "--datasets", "random", "--input-len", "8",
+                        "--num-prompts", "1", "--output-len", "6", "--k", "2", "--sweep", "lookup_first=0,2", "--warmup", "0")
     assert [r["settings"].get("lookup_first") for r in report["results"]] == [None, 2]
     assert "specfork sd k=2 lookup_first=2" in capsys.readouterr().out
     plain, looked_up = report["results"]
@@ -284,11 +284,8 @@ def test_bench_sweeps_lookup_first(tiny, tmp_path, capsys):
 def test_bench_reports_k_autos_rounds_by_k(tiny, tmp_path):
     """With --k auto every SD cell records its timed decode rounds by k (warm-up excluded)."""
     out = tmp_path / "auto"
-    code = main(["bench", "--model", tiny, "--draft", tiny, "--modes", "ar,sd", "--datasets", "random", "--input-len", "8",
-                 "--num-prompts", "2", "--output-len", "12", "--k", "auto", "--batch-size", "2", "--warmup", "1",
-                 "--out", str(out), "--no-progress"])
-    assert code == 0
-    report = json.loads((out / "results.json").read_text())
+    report = _bench_cli(out, "--model", tiny, "--draft", tiny, "--modes", "ar,sd", "--datasets", "random", "--input-len", "8",
+                        "--num-prompts", "2", "--output-len", "12", "--k", "auto", "--batch-size", "2", "--warmup", "1")
     ar, sd = report["results"]
     assert ar["auto_k_rounds"] is None
     rounds = sd["auto_k_rounds"]
@@ -313,22 +310,16 @@ def test_source_summary_gives_each_sources_share_and_acceptance():
 def test_bench_sweeps_the_weights_option(tiny, tmp_path, capsys):
     """--sweep weights=native,native-int8 runs AR both ways (int8 activations), each row labelled."""
     out = tmp_path / "weights"
-    code = main(["bench", "--model", tiny, "--modes", "ar", "--datasets", "random", "--input-len", "8",
-                 "--num-prompts", "1", "--output-len", "4", "--sweep", "weights=native,native-int8", "--warmup", "0",
-                 "--out", str(out), "--no-progress"])
-    assert code == 0
-    report = json.loads((out / "results.json").read_text())
+    report = _bench_cli(out, "--model", tiny, "--modes", "ar", "--datasets", "random", "--input-len", "8",
+                        "--num-prompts", "1", "--output-len", "4", "--sweep", "weights=native,native-int8", "--warmup", "0")
     assert [r["settings"].get("weights") for r in report["results"]] == [None, "native-int8"]
     assert "specfork ar weights=native-int8" in capsys.readouterr().out
 
 
 def test_bench_cli_accepts_k_auto(tiny, tmp_path, capsys):
     out = tmp_path / "auto"
-    code = main(["bench", "--model", tiny, "--modes", "ar,ngram", "--datasets", "random", "--input-len", "8",
-                 "--num-prompts", "1", "--output-len", "6", "--k", "auto", "--warmup", "0", "--out", str(out),
-                 "--no-progress"])
-    assert code == 0
-    report = json.loads((out / "results.json").read_text())
+    report = _bench_cli(out, "--model", tiny, "--modes", "ar,ngram", "--datasets", "random", "--input-len", "8",
+                        "--num-prompts", "1", "--output-len", "6", "--k", "auto", "--warmup", "0")
     assert [r["settings"]["k"] for r in report["results"] if r["mode"] == "ngram"] == ["auto"]
     assert "specfork ngram k=auto" in capsys.readouterr().out
 
@@ -339,11 +330,8 @@ def test_bench_cli_bandwidth_adds_weight_bandwidth_columns(tiny, tmp_path, capsy
     measured = iter([{"read_GBps": 10.0, "copy_GBps": 9.0}, {"read_GBps": 20.0, "copy_GBps": 18.0}])
     monkeypatch.setattr(runner, "read_bandwidth", lambda: next(measured))  # before, after: no 1 GiB sums here
     out = tmp_path / "bw"
-    code = main(["bench", "--model", tiny, "--draft", tiny, "--modes", "ar,sd", "--datasets", "random",
-                 "--input-len", "8", "--num-prompts", "2", "--output-len", "6", "--warmup", "0",
-                 "--bandwidth", "--out", str(out), "--no-progress"])
-    assert code == 0
-    report = json.loads((out / "results.json").read_text())
+    report = _bench_cli(out, "--model", tiny, "--draft", tiny, "--modes", "ar,sd", "--datasets", "random",
+                        "--input-len", "8", "--num-prompts", "2", "--output-len", "6", "--warmup", "0", "--bandwidth")
     assert report["machine"]["read_GBps"] == 20.0  # the higher of before and after
     assert report["machine"]["bandwidth"]["before"]["read_GBps"] == 10.0
     rows = {r["mode"]: r for r in report["results"]}
@@ -403,12 +391,9 @@ def test_bench_sweeps_tensor_parallelism_and_the_drafter_rank(tiny, tmp_path, ca
     """`--sweep tensor_parallel_size=1,2;ssd_drafter=rank`: every cell runs, greedy output equals AR
     in each, and the TP = 2 runs report their sums (count per forward, time, share)."""
     out = tmp_path / "tp"
-    code = main(["bench", "--model", tiny, "--draft", tiny, "--modes", "ar,ssd", "--datasets", "random",
-                 "--input-len", "8", "--num-prompts", "1", "--output-len", "8", "--k", "2", "--threads", "1",
-                 "--sweep", "tensor_parallel_size=1,2;ssd_drafter=rank", "--warmup", "0",
-                 "--out", str(out), "--no-progress"])
-    assert code == 0
-    results = json.loads((out / "results.json").read_text())["results"]
+    results = _bench_cli(out, "--model", tiny, "--draft", tiny, "--modes", "ar,ssd", "--datasets", "random",
+                         "--input-len", "8", "--num-prompts", "1", "--output-len", "8", "--k", "2", "--threads", "1",
+                         "--sweep", "tensor_parallel_size=1,2;ssd_drafter=rank", "--warmup", "0")["results"]
     ssd = [r for r in results if r["mode"] == "ssd"]
     assert len(ssd) == 2 and all(r["match_ar"] == 1.0 and r["settings"]["ssd_drafter"] == "rank" for r in ssd)
     tp2 = [r for r in results if r["settings"].get("tensor_parallel_size") == 2]
