@@ -77,18 +77,27 @@ def test_longest_match_first_and_no_crossing_of_sequences():
 def test_a_hash_collision_never_proposes_a_wrong_continuation(monkeypatch):
     """Every window hashing alike: the tokens themselves decide."""
     monkeypatch.setattr(corpus_module, "_hash_windows",
-                        lambda tokens, n: np.zeros(len(tokens) - n + 1, dtype=np.uint32))
+                        lambda tokens, lengths: {n: np.zeros(len(tokens) - n + 1, dtype=np.uint32) for n in lengths})
     monkeypatch.setattr(corpus_module, "_hash_window", lambda tokens: 0)
     corpus = LookupCorpus(np.array(flat([[1, 2, 3, 4], [5, 6, 7, 8]])))
     assert corpus.propose([5, 6, 7], 1) == [8]
     assert corpus.propose([6, 6, 7], 1) == []
 
 
+@pytest.mark.parametrize("distinct", [3, 70_000, 2**32])
+def test_the_index_sort_keeps_equal_hashes_in_corpus_order(distinct):
+    """The radix sort of the index equals numpy's stable sort, ties (many here) included."""
+    keys = np.random.default_rng(distinct).integers(0, distinct, size=5000, dtype=np.uint64).astype(np.uint32)
+    assert np.array_equal(corpus_module._stable_argsort(keys), np.argsort(keys, kind="stable"))
+
+
 def test_a_lookup_hashes_its_window_as_the_index_does():
     rng = np.random.default_rng(3)
     tokens = rng.integers(0, 2**31 - 1, size=64, dtype=np.int64).astype(np.int32)
+    all_hashes = corpus_module._hash_windows(tokens, NGRAM_LENGTHS)
     for n in NGRAM_LENGTHS:
-        index_hashes = corpus_module._hash_windows(tokens, n)
+        index_hashes = all_hashes[n]
+        assert len(index_hashes) == 64 - n + 1
         for i in (0, 17, 64 - n):
             assert corpus_module._hash_window(tokens[i : i + n].tolist()) == int(index_hashes[i])
 

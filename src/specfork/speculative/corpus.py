@@ -29,14 +29,18 @@ _MULTIPLIER = np.uint64(_MULTIPLIER_INT)
 _MASK64 = (1 << 64) - 1
 
 
-def _hash_windows(tokens: np.ndarray, n: int) -> np.ndarray:
-    """[len(tokens) - n + 1] uint32: the hash of tokens[i : i + n] for every i."""
-    count = len(tokens) - n + 1
-    h = np.zeros(count, dtype=np.uint64)
+def _hash_windows(tokens: np.ndarray, lengths: tuple[int, ...]) -> dict[int, np.ndarray]:
+    """For each n in ``lengths`` (each at most len(tokens)): [len(tokens) - n + 1] uint32, the hash
+    of tokens[i : i + n] for every i. The hash of a window's first j tokens is a step on the way
+    to its first j + 1, so one pass of max(lengths) steps hashes every length."""
+    hashes, h = {}, np.zeros(len(tokens) + 1, dtype=np.uint64)
     with np.errstate(over="ignore"):
-        for j in range(n):
-            h = (h ^ tokens[j : j + count].astype(np.uint64)) * _MULTIPLIER
-    return (h >> np.uint64(32)).astype(np.uint32)
+        for j in range(1, max(lengths) + 1):
+            count = len(tokens) - j + 1  # windows of j tokens
+            h = (h[:count] ^ tokens[j - 1 : j - 1 + count].astype(np.uint64)) * _MULTIPLIER
+            if j in lengths:
+                hashes[j] = (h >> np.uint64(32)).astype(np.uint32)
+    return hashes
 
 
 def _hash_window(tokens: list[int]) -> int:
@@ -48,22 +52,33 @@ def _hash_window(tokens: list[int]) -> int:
     return h >> 32
 
 
+def _stable_argsort(keys: np.ndarray) -> np.ndarray:
+    """``np.argsort(keys, kind="stable")`` of uint32 keys, as two stable sorts of their 16-bit
+    halves, low half first: numpy sorts 16-bit integers stably by radix, in linear time, where a
+    stable sort of 32-bit ones is a merge sort (the shipped corpus's four sorts: 0.65 s that way,
+    0.36 s this way)."""
+    by_low = np.argsort((keys & 0xFFFF).astype(np.uint16), kind="stable")
+    return by_low[np.argsort((keys[by_low] >> 16).astype(np.uint16), kind="stable")]
+
+
 class LookupCorpus:
     """``tokens``: int32, sequences separated by ``SEPARATOR``."""
 
     def __init__(self, tokens: np.ndarray) -> None:
         self.tokens = np.ascontiguousarray(tokens, dtype=np.int32)
         self.index: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        separators = np.concatenate([[0], np.cumsum(self.tokens == SEPARATOR)])
-        for n in NGRAM_LENGTHS:
-            if len(self.tokens) <= n:
-                continue
-            ends = np.arange(n, len(self.tokens))  # the position each window's next token is at
-            # a window and its next token hold no separator
-            usable = separators[ends + 1] == separators[ends - n]
-            hashes = _hash_windows(self.tokens[:-1], n)[usable]
-            ends = ends[usable].astype(np.int32)
-            order = np.argsort(hashes, kind="stable")  # equal hashes keep corpus order
+        # separators[i]: the separators among tokens[:i]
+        separators = np.concatenate([[0], np.cumsum(self.tokens == SEPARATOR, dtype=np.int32)])
+        size = len(self.tokens)
+        lengths = tuple(n for n in NGRAM_LENGTHS if n < size)
+        window_hashes = _hash_windows(self.tokens[:-1], lengths) if lengths else {}
+        for n in lengths:
+            # The window tokens[end - n : end] and its next token tokens[end], for end in n..size - 1,
+            # hold no separator.
+            usable = separators[n + 1 : size + 1] == separators[: size - n]
+            hashes = window_hashes[n][usable]
+            ends = np.flatnonzero(usable).astype(np.int32) + np.int32(n)
+            order = _stable_argsort(hashes)  # equal hashes keep corpus order
             self.index[n] = (hashes[order], ends[order])
 
     def __len__(self) -> int:
