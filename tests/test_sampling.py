@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specfork import SamplingParams, SpecforkError
-from specfork.sampling import greedy_tokens, logits_to_probs, sample_from_probs
+from specfork.sampling import DRAW_BLOCK, _first_above, greedy_tokens, logits_to_probs, sample_from_probs
 
 
 def _probs(logits, temperature=1.0, top_k=0, top_p=1.0):
@@ -89,6 +89,85 @@ def test_rows_are_filtered_independently():
     p = logits_to_probs(logits, torch.tensor([1.0, 0.5]), torch.tensor([2, 0]), torch.tensor([1.0, 0.9]))
     torch.testing.assert_close(p[0], _probs(LOGITS, top_k=2))
     torch.testing.assert_close(p[1], _probs(LOGITS.flip(0), temperature=0.5, top_p=0.9))
+
+
+def _sorting_reference(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """The filter as first written: sort the whole row, cut top-k, then the top-p prefix."""
+    scaled = logits / temperature
+    if top_k:
+        scaled = scaled.masked_fill(scaled < scaled.sort(descending=True).values[top_k - 1], float("-inf"))
+    if top_p < 1.0:
+        probs = scaled.softmax(dim=0)
+        values, order = probs.sort(descending=True)
+        drop = (values.cumsum(dim=0) - values) >= top_p
+        drop[0] = False
+        scaled = scaled.masked_fill(torch.zeros_like(drop).scatter_(0, order, drop), float("-inf"))
+    return scaled.softmax(dim=0)
+
+
+def test_the_filter_equals_a_sorting_reference_over_a_large_vocabulary():
+    """Nuclei from one token to thousands (past every doubling of the candidates searched), top-k
+    small and large, several settings in one batch: each row as the reference filters it alone."""
+    gen = torch.Generator().manual_seed(5)
+    vocab = 20000
+    settings = [(0.3, 0, 0.9), (1.0, 0, 0.5), (2.0, 0, 0.95), (4.0, 0, 0.99), (1.0, 40, 1.0), (1.0, 3000, 0.97),
+                (0.8, 40, 0.95), (1.5, 0, 1.0), (3.0, 0, 0.999)]
+    logits = torch.randn(len(settings), vocab, generator=gen) * 3
+    temperature, top_k, top_p = (torch.tensor(column) for column in zip(*settings, strict=True))
+    probs = logits_to_probs(logits, temperature.float(), top_k, top_p.float())
+    supports = []
+    for row, (t, k, p) in enumerate(settings):
+        expected = _sorting_reference(logits[row], t, k, p)
+        assert torch.equal(probs[row] > 0, expected > 0), (t, k, p)
+        torch.testing.assert_close(probs[row], expected)
+        supports.append(int((expected > 0).sum()))
+    assert min(supports) <= 5 and max(s for s in supports if s < vocab) > 2000, supports
+
+
+def test_ties_at_the_top_p_boundary_are_kept_whatever_their_order():
+    """The boundary falls inside a group of equal logits: the whole group is kept, as top-k keeps
+    its ties, so the kept set does not depend on how a sort orders equal values."""
+    logits = torch.tensor([0.0, 2.0, 0.0, 3.0, 0.0, -5.0])
+    full = torch.softmax(logits, dim=0)
+    top_p = float(full[3] + full[1] + full[0]) - 1e-4  # reached inside the three tokens at 0.0
+    expected = torch.zeros(6)
+    keep = [0, 1, 2, 3, 4]
+    expected[keep] = torch.softmax(logits[keep], dim=0)
+    torch.testing.assert_close(_probs(logits, top_p=top_p), expected)
+    torch.testing.assert_close(_probs(logits.flip(0), top_p=top_p), expected.flip(0))
+
+
+def test_a_row_without_top_p_keeps_its_whole_vocabulary_beside_a_row_with_it():
+    """A row filters alike alone and in any batch. (The first filter cut the tail of a row with
+    top_p 1 whenever another row of the batch had top_p < 1: its float32 running mass passed 1.0
+    before the end of the row.)"""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 3000, generator=gen) * 3
+    together = logits_to_probs(logits, torch.tensor([1.0, 1.0]), torch.tensor([0, 0]), torch.tensor([1.0, 0.5]))
+    torch.testing.assert_close(together[0], torch.softmax(logits[0], dim=0), rtol=0, atol=0)
+    assert torch.equal(together[1], _probs(logits[1], top_p=0.5))
+
+
+def test_the_draw_walks_blocks_and_never_draws_a_token_of_weight_zero():
+    """Weight in a few tokens spread over many blocks of DRAW_BLOCK (the first and last token
+    among them, whole blocks empty, a vocabulary no multiple of the block): chi-square against
+    the weights, unnormalised, and a point rounded to the total lands on the last token of weight."""
+    vocab = 3 * DRAW_BLOCK + 17
+    weights = torch.zeros(vocab)
+    heavy = {0: 1.0, 5: 3.0, DRAW_BLOCK: 2.0, 2 * DRAW_BLOCK + 100: 0.5, vocab - 1: 1.5}
+    for token, w in heavy.items():
+        weights[token] = w
+    n = 30000
+    gen = torch.Generator().manual_seed(7)
+    tokens = sample_from_probs(weights.unsqueeze(0).expand(n, vocab).contiguous() * 3.0, [gen] * n)
+    counts = torch.bincount(tokens, minlength=vocab).float()
+    assert counts[weights == 0].sum() == 0
+    expected = weights[weights > 0] / weights.sum() * n
+    chi2 = (((counts[weights > 0] - expected) ** 2) / expected).sum().item()
+    assert chi2 < 18.5, chi2  # 99.9% quantile of chi-square with 4 dof
+    cumulative = torch.tensor([[0.0, 0.5, 0.5, 1.0, 1.0]], dtype=torch.float64)
+    for point, index in ((0.0, 1), (0.5, 3), (0.99, 3), (1.0, 3)):
+        assert _first_above(cumulative, torch.tensor([[point]], dtype=torch.float64)).item() == index
 
 
 def test_sampler_matches_distribution_chi_square():

@@ -3,7 +3,7 @@
 ``logits_to_probs`` is the one filter (temperature, then top-k, then top-p), so autoregressive
 sampling, draft proposals and speculative verification all see the very same distribution for a
 request. ``sample`` draws one token per row: argmax for greedy requests, otherwise a draw from the
-filtered distribution with the request's own generator; a ``reshape`` hook may replace the
+filtered distribution with the request's own generator (one uniform per draw); a ``reshape`` hook may replace the
 filtered distribution before the draw (SSD's Saguaro sampling), and the distribution actually
 drawn from is what is returned, so verification stays exact.
 """
@@ -41,27 +41,47 @@ def logits_to_probs(
 
     Top-k keeps every token whose logit is >= the k-th largest (ties at the boundary are kept).
     Top-p keeps the smallest prefix of tokens, by descending probability, whose mass reaches
-    ``top_p`` (at least one token).
+    ``top_p`` (at least one token; ties at the boundary are kept).
+
+    Neither sorts the vocabulary: the k-th largest logit comes from ``topk``, and the nucleus is
+    searched among each row's largest NUCLEUS_WIDTH probabilities, widened (doubling) only for a
+    row whose nucleus is wider. (Sorting 49152 logits took ~4 ms a row on a 2-core CPU, about a
+    decode step of the embedded model.)
     """
     scaled = logits / temperature.unsqueeze(1)
     vocab = scaled.shape[-1]
     need_k = bool((top_k > 0).any())
     need_p = bool((top_p < 1.0).any())
-    if need_k or need_p:
-        sorted_logits, sorted_idx = scaled.sort(dim=-1, descending=True)
-        remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
-        if need_k:
-            k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-            kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))
-            remove |= sorted_logits < kth
-        if need_p:
-            sorted_probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
-            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            remove |= mass_before >= top_p.unsqueeze(1)
-            remove[:, 0] = False
-        mask = torch.zeros_like(remove).scatter_(1, sorted_idx, remove)
-        scaled = scaled.masked_fill(mask, float("-inf"))
+    if need_k:
+        on = top_k > 0
+        k = top_k.clamp(min=1, max=vocab)
+        kth = scaled.topk(int(k[on].max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+        scaled = scaled.masked_fill(scaled < kth.masked_fill(~on.unsqueeze(1), float("-inf")), float("-inf"))
+    if need_p:
+        scaled = scaled.masked_fill(_outside_nucleus(scaled.softmax(dim=-1), top_p), float("-inf"))
     return scaled.softmax(dim=-1)
+
+
+NUCLEUS_WIDTH = 64  # candidates searched first for a row's nucleus (doubled while too few)
+
+
+def _outside_nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[N, V] bool: the tokens top-p removes from each row of ``probs`` (none where top_p is 1).
+    By descending probability, a token is kept while the mass before it is below top_p (the first
+    always); every token as probable as the last one kept is kept too, so the kept set does not
+    depend on the order of tied tokens (nor on how many candidates were searched)."""
+    vocab = probs.shape[-1]
+    off = top_p >= 1.0
+    width = min(NUCLEUS_WIDTH, vocab)
+    while True:
+        values, _ = probs.topk(width, dim=-1)  # descending
+        mass = values.cumsum(dim=-1)
+        if width == vocab or bool(((mass[:, -1] >= top_p) | off).all()):
+            break  # every row's nucleus ends within the candidates (or they are the vocabulary)
+        width = min(2 * width, vocab)
+    # mass before a token only grows along the row, so the kept tokens are a prefix
+    kept = ((mass - values) < top_p.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp_(min=1)
+    return (probs < values.gather(1, kept - 1)) & ~off.unsqueeze(1)
 
 
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -79,12 +99,37 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
     return logits.argmax(dim=-1).tolist()
 
 
+DRAW_BLOCK = 256  # tokens per block of the two-level inverse transform
+
+
 def sample_from_probs(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
-    """One token per row, row i drawn with ``generators[i]`` (exponential race: argmax p / E)."""
-    noise = torch.empty_like(probs)
-    for i, gen in enumerate(generators):
-        noise[i].exponential_(generator=gen)
-    return (probs / noise).argmax(dim=-1)
+    """One token per row of ``probs`` [N, V] (weights: a row need not sum to 1), row i drawn with
+    ``generators[i]`` by inverse transform sampling: the first token whose cumulative weight
+    exceeds a uniform draw times the row's total, in float64, first among blocks of DRAW_BLOCK
+    tokens, then within the block. A token of weight 0 is never drawn.
+
+    One uniform a row. (An exponential race, argmax p / E, drew 49152 exponentials a row: ~1 ms on
+    a 2-core CPU, a fifth of a decode step. A float64 cumulative sum over the whole row took 2 ms
+    for 8 rows, mostly writing the 3 MB it needs; the blocks take 0.36 ms.)"""
+    n, vocab = probs.shape
+    pad = (-vocab) % DRAW_BLOCK
+    blocks = (torch.nn.functional.pad(probs, (0, pad)) if pad else probs).reshape(n, -1, DRAW_BLOCK)
+    by_block = blocks.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)  # [N, blocks]
+    total = by_block[:, -1:]
+    uniform = torch.cat([torch.rand(1, dtype=torch.float64, generator=gen, device=probs.device)
+                         for gen in generators]).unsqueeze(1)
+    point = uniform * total
+    block = _first_above(by_block, point)
+    before = torch.where(block > 0, by_block.gather(1, (block - 1).clamp(min=0)), torch.zeros_like(point))
+    within = blocks[torch.arange(n, device=probs.device), block.squeeze(1)].to(torch.float64).cumsum(dim=-1)
+    return (block * DRAW_BLOCK + _first_above(within, point - before)).squeeze(1)
+
+
+def _first_above(cumulative: torch.Tensor, point: torch.Tensor) -> torch.Tensor:
+    """[N, 1]: per row, the first index whose cumulative weight exceeds ``point`` [N, 1], or the
+    last index of positive weight where rounding put ``point`` at or past the row's total."""
+    last = (cumulative < cumulative[:, -1:]).sum(dim=-1, keepdim=True)
+    return torch.minimum(torch.searchsorted(cumulative, point, right=True), last)
 
 
 @dataclass(slots=True)

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specfork.sampling import sample_from_probs
+
 
 @dataclass(slots=True)
 class VerifyResult:
@@ -48,8 +50,8 @@ def verify_sampled(
     draft_probs: torch.Tensor | None,  # [n, V] q_1..q_n, or None: every proposal is one-hot
     generator: torch.Generator,
 ) -> VerifyResult:
-    """Speculative sampling for one sequence. Consumes n uniforms and one exponential vector
-    from ``generator`` whatever the outcome, so a seeded request stays reproducible."""
+    """Speculative sampling for one sequence. Consumes n + 1 uniforms from ``generator``
+    whatever the outcome, so a seeded request stays reproducible."""
     n = proposed.shape[0]
     rows = torch.arange(n, device=target_probs.device)
     p_x = target_probs[rows, proposed]
@@ -68,6 +70,5 @@ def verify_sampled(
             residual = target_probs[m]
     else:
         residual = target_probs[n]
-    noise = torch.empty_like(residual).exponential_(generator=generator)
-    last = int((residual / noise).argmax())
+    last = int(sample_from_probs(residual.unsqueeze(0), [generator])[0])
     return VerifyResult(m, proposed[:m].tolist() + [last])
