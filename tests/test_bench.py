@@ -268,6 +268,44 @@ def test_bench_cli_sweep_and_all_rows(tiny, tmp_path, capsys):
     assert f"commit {m['commit']}" in printed and ("; GPU: " in printed) == (m["cuda"] is not None)
 
 
+def test_bench_samples_with_top_p_and_top_k_in_every_engine_and_states_them(tiny, tmp_path, capsys, monkeypatch):
+    """--top-p / --top-k reach specfork's requests and transformers' generate (not its default
+    top-k 50), are swept, labelled, stated in results.md, and the peer's ratio compares like with like."""
+    from specfork.bench.peers import transformers_peer
+
+    seen, real_load = set(), transformers_peer._load
+
+    def recording_load(name):
+        model = real_load(name)
+        generate = model.generate
+
+        def recorded(*args, **kwargs):
+            if "pad_token_id" in kwargs:  # the peer's own calls (assisted generation calls its draft's too)
+                seen.add(tuple(kwargs.get(k) for k in ("do_sample", "temperature", "top_p", "top_k")))
+            return generate(*args, **kwargs)
+
+        model.generate = recorded
+        return model
+
+    monkeypatch.setattr(transformers_peer, "_load", recording_load)
+    out = tmp_path / "filters"
+    report = _bench_cli(out, "--model", tiny, "--draft", tiny, "--modes", "ar", "--datasets", "random",
+                        "--input-len", "8", "--num-prompts", "2", "--output-len", "6", "--temperature", "0.8", "--top-k", "5",
+                        "--sweep", "top_p=0.5,1.0", "--peers", "transformers", "--warmup", "0")
+    rows = report["results"]
+    ours = [r["settings"] for r in rows if r["name"] == "specfork ar"]
+    assert [(st["temperature"], st["top_p"], st["top_k"]) for st in ours] == [(0.8, 0.5, 5), (0.8, 1.0, 5)]
+    assert seen == {(True, 0.8, 0.5, 5), (True, 0.8, 1.0, 5)}
+    peer = [r["settings"] for r in rows if r["name"] == "transformers AR"]
+    assert [(st["top_p"], st["top_k"]) for st in peer] == [(0.5, 5), (1.0, 5)]
+    printed = capsys.readouterr().out
+    assert "specfork ar input_len=8 T=0.8 top_p=0.5 top_k=5 " in printed
+    assert "specfork ar input_len=8 T=0.8 top_k=5 " in printed and "transformers AR T=0.8 top_k=5 " in printed
+    assert "temperature 0.8, top-k 5, batch size 1" in (out / "results.md").read_text()
+    with pytest.raises(SpecforkError, match="top_p must be in"):
+        _settings(tiny, top_p=0.0)
+
+
 def test_bench_sweeps_lookup_first(tiny, tmp_path, capsys):
     """--sweep lookup_first=0,2 runs SD with the draft alone and with prompt lookup first, labelled."""
     out = tmp_path / "lookup"

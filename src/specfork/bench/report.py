@@ -26,6 +26,10 @@ def _label(r: dict) -> str:
         extra["input_len"] = st["input_len"]
     if st.get("temperature"):
         extra["T"] = st["temperature"]
+        if st.get("top_p", 1.0) != 1.0:
+            extra["top_p"] = st["top_p"]
+        if st.get("top_k"):
+            extra["top_k"] = st["top_k"]
     if st.get("device"):
         extra["device"] = st["device"]
     if "cuda_graphs" in st:
@@ -83,11 +87,20 @@ def _bandwidth_cells(report: dict, r: dict) -> list[str]:
     return ["-", "-"] if reached is None else [f"{reached:.1f}", f"{reached / read:.0%}"]
 
 
+def _filters(s: dict) -> str:
+    """The sampling filters of a sampled run, as the header states them ("" when greedy or off)."""
+    if not s.get("temperature"):
+        return ""
+    return (f", top-p {s['top_p']}" if s.get("top_p", 1.0) != 1.0 else "") + (
+        f", top-k {s['top_k']}" if s.get("top_k") else "")
+
+
 def _workload(r: dict) -> tuple:
-    """What a peer's run depends on: dataset, batch size, input and output length, temperature."""
+    """What a peer's run depends on: dataset, batch size, input and output length, the sampling
+    settings."""
     st = r["settings"]
     return (r["dataset"], st.get("batch_size", 1), st.get("input_len"), st.get("output_len"),
-            st.get("temperature") or 0.0)
+            st.get("temperature") or 0.0, st.get("top_p", 1.0), st.get("top_k", 0))
 
 
 def table_rows(report: dict) -> list[list[str]]:
@@ -167,7 +180,7 @@ def markdown(report: dict, command: str) -> str:
         + (f", GPU {m['cuda']}" if m.get("cuda") else "") + f"; commit {m.get('commit')}.",
         "",
         f"{s['num_prompts']} prompts per dataset, {_output_tokens(s)}, temperature "
-        f"{s['temperature']}, batch size {s['batch_size']}, median of {s['repeat']} run(s) after {s['warmup']} "
+        f"{s['temperature']}{_filters(s)}, batch size {s['batch_size']}, median of {s['repeat']} run(s) after {s['warmup']} "
         "warm-up run(s). \"= AR\": share of requests whose tokens equal specfork AR's (greedy runs). hidden: share "
         "of SSD's drafting hidden behind verification; draft/target: one draft step over one target decode step.",
         *_bandwidth_note(report),

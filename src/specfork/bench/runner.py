@@ -92,7 +92,8 @@ def run_interleaved(modes: list[str], dataset: str, prompts: list[list[int]], s:
     order."""
     from specfork import LLM, SamplingParams
 
-    params = SamplingParams(temperature=s.temperature, max_tokens=s.output_len, ignore_eos=s.ignore_eos, seed=s.seed)
+    params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.output_len,
+                            ignore_eos=s.ignore_eos, seed=s.seed)
     with ExitStack() as stack:
         llms = {mode: stack.enter_context(LLM(s.model, **_engine_options(mode, s))) for mode in modes}
         for llm in llms.values():
@@ -203,7 +204,7 @@ def _draft_step_ratio(llm) -> float | None:
 
 
 def _cell_settings(mode: str, s: BenchSettings) -> dict:
-    keep = {"output_len", "temperature", "batch_size", "input_len"}
+    keep = {"output_len", "temperature", "top_p", "top_k", "batch_size", "input_len"}
     if mode != "ar":
         keep |= {"k"}
     shown = {}
@@ -262,7 +263,8 @@ def run_benchmark(settings: BenchSettings, sweep: list[dict], progress: bool = T
         reference = None
         peers = []
         for peer in point.peers:  # peers do not depend on k, fan-out or the draft: run them once
-            key = (peer, dataset, point.input_len, point.output_len, point.temperature, point.batch_size)
+            key = (peer, dataset, point.input_len, point.output_len, point.temperature, point.top_p, point.top_k,
+                   point.batch_size)
             if key not in peers_done:
                 peers_done.add(key)
                 peers += peer_runs(peer, prompts, point, lambda text: _note(notes, text))

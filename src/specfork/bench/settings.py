@@ -13,7 +13,7 @@ MODES = ("ar", "sd", "ssd", "ngram")
 DATASETS = ("humaneval", "sharegpt", "random")
 PEERS = ("transformers", "llama.cpp")
 SSD_DRAFTERS = ("process", "rank")
-SWEEPABLE = {"k": int_or_auto, "draft_confidence": float, "lookup_first": int, "lookup_corpus": str, "corpus_tokens": int, "fan_out": int, "temperature": float, "input_len": int,
+SWEEPABLE = {"k": int_or_auto, "draft_confidence": float, "lookup_first": int, "lookup_corpus": str, "corpus_tokens": int, "fan_out": int, "temperature": float, "top_p": float, "top_k": int, "input_len": int,
              "batch_size": int, "dataset": str, "tensor_parallel_size": int, "ssd_drafter": str, "weights": str,
              "cuda_graphs": on_off}
 
@@ -38,6 +38,8 @@ class BenchSettings:
                               "engine (the same work everywhere); --no-ignore-eos stops each at its end of "
                               "generation, as real requests stop and as EAGLE's accepted lengths are published")
     temperature: float = option(0.0, "0 = greedy")
+    top_p: float = option(1.0, "nucleus sampling mass in (0, 1] at temperature > 0 (1 = off)")
+    top_k: int = option(0, "keep the k most likely tokens at temperature > 0 (0 = off)")
     k: int | str = option(5, "speculated tokens per round, or auto (sd and ngram modes: chosen from measured "
                           "costs)", parse=int_or_auto)
     draft_confidence: float | None = option(None, "SD with an EAGLE-3 head: take a chain's next token only while "
@@ -104,6 +106,10 @@ class BenchSettings:
         if self.lookup_first is not None and (isinstance(self.lookup_first, bool)
                                               or not isinstance(self.lookup_first, int) or self.lookup_first < 0):
             raise SpecforkError(f"lookup_first must be an integer >= 0 (0: off), got {self.lookup_first!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise SpecforkError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise SpecforkError(f"top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
         if self.warmup < 0:
             raise SpecforkError(f"warmup must be >= 0, got {self.warmup}")
         if self.input_len is not None and self.input_len < 1:

@@ -33,7 +33,8 @@ def warm_up(generate_group: GenerateGroup, prompts: list[list[int]], s: BenchSet
 def peer_result(run: PeerRun, dataset: str, s: BenchSettings, speeds: list[float], outputs: list[list[int]],
                 latencies: list[float]) -> tuple[RunResult, list]:
     """The cell of ``run``'s timed passes; a request's latency is its group's."""
-    settings = {"output_len": s.output_len, **({"batch_size": s.batch_size} if s.batch_size > 1 else {})}
+    settings = {"output_len": s.output_len, **({"batch_size": s.batch_size} if s.batch_size > 1 else {}),
+                **({"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k} if s.temperature > 0 else {})}
     result = RunResult(name=run.name, mode=run.kind, dataset=dataset, settings=settings, **throughput(speeds),
                        tokens=sum(len(o) for o in outputs), latency_s=percentiles(latencies))
     return result, outputs

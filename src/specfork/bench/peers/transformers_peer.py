@@ -41,8 +41,8 @@ def _loaded(kind: str, s: BenchSettings) -> Iterator[GenerateGroup]:
     eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     kwargs = dict(do_sample=s.temperature > 0, max_new_tokens=s.output_len,
                   pad_token_id=model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0)
-    if s.temperature > 0:
-        kwargs["temperature"] = s.temperature
+    if s.temperature > 0:  # the filters stated, none of generate's defaults (top-k 50)
+        kwargs.update(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
     if kind == "prompt-lookup":
         kwargs["prompt_lookup_num_tokens"] = 10
     elif kind == "assisted":
