@@ -45,3 +45,30 @@ def test_llama_cpp_stops_at_its_eos_with_no_ignore_eos():
         for out in outputs:
             assert len(out) == 200 or (out[-1] in eos and not eos & set(out[:-1]))
         assert len(outputs[2]) < 60 and result.tokens == sum(len(out) for out in outputs)
+
+
+def test_llama_cpp_samples_with_the_bench_settings_one_request_at_a_time():
+    """At temperature > 0 llama.cpp samples (its outputs leave the greedy ones) with the bench's
+    settings, seeded (the same seed draws the same tokens); its batched peer stays greedy only."""
+    pytest.importorskip("llama_cpp", reason="the optional peer llama-cpp-python is not installed")
+    from specfork import LLM
+    from specfork.bench.peers.llama_cpp_peer import llama_cpp_run
+    from specfork.bench.runner import load_prompt_ids, run_interleaved
+
+    settings = BenchSettings(modes=("ar",), datasets=("humaneval",), num_prompts=2, output_len=48, warmup=0,
+                             threads=2)
+    with LLM(threads=2) as llm:
+        prompts = load_prompt_ids(llm, "humaneval", settings)
+
+    def outputs(s):
+        return run_interleaved([], "humaneval", prompts, s, peers=[llama_cpp_run("AR", prompts, s)])[1][0][1]
+
+    sampled = replace(settings, temperature=1.0, top_p=0.95, seed=5)
+    first, greedy = outputs(sampled), outputs(settings)
+    assert [len(o) for o in first] == [48, 48] and first != greedy
+    assert outputs(sampled) == first
+    notes = []
+    from specfork.bench.peers import peer_runs
+
+    assert peer_runs("llama.cpp", prompts, replace(sampled, batch_size=2), notes.append) == []
+    assert notes == ["skipping llama.cpp: llama.cpp's batched peer runs are greedy only"]
