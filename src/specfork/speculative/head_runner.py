@@ -206,14 +206,23 @@ class HeadRunner:
                 return tokens, None, ones, ones
             confidence = torch.softmax(draft_logits, dim=-1).amax(dim=-1).tolist()  # the best token's
             return tokens, None, confidence, confidence
-        logits = self.full_logits(draft_logits)
+        # Without a reshape the filter and the draw run over the draft vocabulary (4096 ids where the
+        # target has 49152: at temperature > 0 a chain step's sampling cost several head forwards),
+        # and q is scattered into the target's vocabulary afterwards, zero elsewhere, exactly as
+        # filtering the scattered logits (-inf elsewhere) gives. A reshape sees the target's vocabulary.
+        compact = reshape is None
+        logits = draft_logits if compact else self.full_logits(draft_logits)
         draw = sample(logits, params, generators, reshape)
         head_probs = torch.softmax(logits, dim=-1)
         chosen = torch.tensor(draw.tokens, device=self.device).unsqueeze(1)
         confidence = head_probs.gather(1, chosen).squeeze(1).tolist()
         top = head_probs.amax(dim=-1).tolist() if with_confidence else ones
         q = torch.stack([draw.q_of(r) if draw.q_of(r) is not None else head_probs[r] for r in range(len(params))])
-        return draw.tokens, q, confidence, top
+        if not compact:
+            return draw.tokens, q, confidence, top
+        full_q = torch.zeros(len(params), self.vocab_size, device=self.device)
+        full_q[:, self.head.draft_to_target] = q
+        return [self.draft_to_target[t] for t in draw.tokens], full_q, confidence, top
 
     # -- SSD's glue ---------------------------------------------------------------------
 
