@@ -148,6 +148,26 @@ def test_a_row_without_top_p_keeps_its_whole_vocabulary_beside_a_row_with_it():
     assert torch.equal(together[1], _probs(logits[1], top_p=0.5))
 
 
+def test_each_row_filters_alike_alone_and_in_any_batch():
+    """Random batches mixing temperatures, top-k and top-p, with many tied logits: every row of
+    the batch equals that row filtered alone, bit for bit (how many candidates the batch made the
+    nucleus search take does not matter)."""
+    gen = torch.Generator().manual_seed(11)
+    for trial in range(60):
+        rows, vocab = 5, (7, 300, 3000)[trial % 3]
+        logits = torch.randn(rows, vocab, generator=gen) * 3
+        if trial % 2:
+            logits = (logits * 2).round() / 2
+        temperature = torch.rand(rows, generator=gen) + 0.3
+        top_k = torch.randint(0, vocab + 3, (rows,), generator=gen) * (torch.rand(rows, generator=gen) < 0.5)
+        top_p = torch.where(torch.rand(rows, generator=gen) < 0.6, torch.rand(rows, generator=gen) * 0.99 + 0.01,
+                            torch.ones(rows))
+        together = logits_to_probs(logits, temperature, top_k, top_p)
+        for r in range(rows):
+            alone = logits_to_probs(logits[r : r + 1], temperature[r : r + 1], top_k[r : r + 1], top_p[r : r + 1])
+            assert torch.equal(together[r], alone[0]), (trial, r)
+
+
 def test_the_draw_walks_blocks_and_never_draws_a_token_of_weight_zero():
     """Weight in a few tokens spread over many blocks of DRAW_BLOCK (the first and last token
     among them, whole blocks empty, a vocabulary no multiple of the block): chi-square against
