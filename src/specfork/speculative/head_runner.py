@@ -136,9 +136,13 @@ class HeadRunner:
     def full_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """The head's draft-vocabulary logits scattered into the target's vocabulary (-inf
         elsewhere) [n, V]."""
-        logits = torch.full((len(draft_logits), self.vocab_size), float("-inf"), device=self.device)
-        logits[:, self.head.draft_to_target] = draft_logits
-        return logits
+        return self._in_target_vocabulary(draft_logits, float("-inf"))
+
+    def _in_target_vocabulary(self, rows: torch.Tensor, fill: float) -> torch.Tensor:
+        """[n, draft vocab] -> [n, V]: each draft id's column at its target id, ``fill`` elsewhere."""
+        out = torch.full((len(rows), self.vocab_size), fill, device=self.device)
+        out[:, self.head.draft_to_target] = rows
+        return out
 
     # -- the drafting loop --------------------------------------------------------------
 
@@ -206,23 +210,19 @@ class HeadRunner:
                 return tokens, None, ones, ones
             confidence = torch.softmax(draft_logits, dim=-1).amax(dim=-1).tolist()  # the best token's
             return tokens, None, confidence, confidence
-        # Without a reshape the filter and the draw run over the draft vocabulary (4096 ids where the
+        # The filter, the reshape and the draw run over the draft vocabulary (4096 ids where the
         # target has 49152: at temperature > 0 a chain step's sampling cost several head forwards),
-        # and q is scattered into the target's vocabulary afterwards, zero elsewhere, exactly as
-        # filtering the scattered logits (-inf elsewhere) gives. A reshape sees the target's vocabulary.
-        compact = reshape is None
-        logits = draft_logits if compact else self.full_logits(draft_logits)
-        draw = sample(logits, params, generators, reshape)
-        head_probs = torch.softmax(logits, dim=-1)
+        # and q is scattered into the target's vocabulary afterwards, zero elsewhere: the same q as
+        # filtering the scattered logits (-inf elsewhere) and reshaping that (Saguaro's reshape
+        # scales a row's most probable tokens and renormalises, and tokens of probability 0 add
+        # nothing to either).
+        draw = sample(draft_logits, params, generators, reshape)
+        head_probs = torch.softmax(draft_logits, dim=-1)
         chosen = torch.tensor(draw.tokens, device=self.device).unsqueeze(1)
         confidence = head_probs.gather(1, chosen).squeeze(1).tolist()
         top = head_probs.amax(dim=-1).tolist() if with_confidence else ones
         q = torch.stack([draw.q_of(r) if draw.q_of(r) is not None else head_probs[r] for r in range(len(params))])
-        if not compact:
-            return draw.tokens, q, confidence, top
-        full_q = torch.zeros(len(params), self.vocab_size, device=self.device)
-        full_q[:, self.head.draft_to_target] = q
-        return [self.draft_to_target[t] for t in draw.tokens], full_q, confidence, top
+        return [self.draft_to_target[t] for t in draw.tokens], self._in_target_vocabulary(q, 0.0), confidence, top
 
     # -- SSD's glue ---------------------------------------------------------------------
 
