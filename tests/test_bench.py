@@ -306,6 +306,14 @@ def test_bench_samples_with_top_p_and_top_k_in_every_engine_and_states_them(tiny
         _settings(tiny, top_p=0.0)
 
 
+def test_greedy_points_that_differ_only_in_filters_share_one_peer_run(tiny):
+    """top-p and top-k change nothing greedy: a greedy sweep over them runs each peer once."""
+    report = run_benchmark(_settings(tiny, modes=("ar",), num_prompts=1, peers=("transformers",)),
+                           parse_sweep("top_p=0.5,1.0"), progress=False)
+    peer_rows = [r for r in report["results"] if r["name"] == "transformers AR"]
+    assert len(peer_rows) == 1
+
+
 def test_bench_sweeps_lookup_first(tiny, tmp_path, capsys):
     """--sweep lookup_first=0,2 runs SD with the draft alone and with prompt lookup first, labelled."""
     out = tmp_path / "lookup"

@@ -99,8 +99,9 @@ def _workload(r: dict) -> tuple:
     """What a peer's run depends on: dataset, batch size, input and output length, the sampling
     settings."""
     st = r["settings"]
+    filters = (st.get("top_p", 1.0), st.get("top_k", 0)) if st.get("temperature") else (1.0, 0)  # unused greedy
     return (r["dataset"], st.get("batch_size", 1), st.get("input_len"), st.get("output_len"),
-            st.get("temperature") or 0.0, st.get("top_p", 1.0), st.get("top_k", 0))
+            st.get("temperature") or 0.0, *filters)
 
 
 def table_rows(report: dict) -> list[list[str]]:

@@ -263,8 +263,8 @@ def run_benchmark(settings: BenchSettings, sweep: list[dict], progress: bool = T
         reference = None
         peers = []
         for peer in point.peers:  # peers do not depend on k, fan-out or the draft: run them once
-            key = (peer, dataset, point.input_len, point.output_len, point.temperature, point.top_p, point.top_k,
-                   point.batch_size)
+            filters = (point.top_p, point.top_k) if point.temperature > 0 else ()  # greedy runs ignore them
+            key = (peer, dataset, point.input_len, point.output_len, point.temperature, *filters, point.batch_size)
             if key not in peers_done:
                 peers_done.add(key)
                 peers += peer_runs(peer, prompts, point, lambda text: _note(notes, text))
