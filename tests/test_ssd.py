@@ -151,6 +151,17 @@ def test_fork_candidates_are_j_major_and_exclude_the_speculated_token():
     assert forks == [(0, 1), (0, 2), (1, 2), (2, 3), (2, 2)]
 
 
+def test_fork_candidates_of_a_draft_vocabulary_are_target_ids():
+    """An EAGLE-3 head's columns are its draft ids: candidates come out as target ids, and the
+    speculated token is excluded by its target id."""
+    logits = torch.tensor([[5.0, 4.0, 3.0], [1.0, 9.0, 8.0]])
+    ids = [10, 20, 30]
+    forks = fork_candidates(logits, [10], (2, 2), SamplingParams(temperature=0.0), ids)
+    assert forks == [(0, 20), (0, 30), (1, 20), (1, 30)]
+    sampled = fork_candidates(logits, [20], (3, 1), SamplingParams(temperature=1.0, top_k=2), ids)
+    assert sampled == [(0, 10), (1, 20)]  # top-k 2 leaves 30 at probability 0 in row 0
+
+
 def test_hit_requires_the_reported_outcome_to_match_the_speculation(pair):
     core, loaded = _core(pair["draft"], "fast")
     greedy = SamplingParams(temperature=0.0)

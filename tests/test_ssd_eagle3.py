@@ -86,6 +86,44 @@ def test_every_branch_is_the_heads_chain_on_its_own_outputs(tiny_checkpoints, tm
     assert core.speculate([stray])[0].source == "fast"
 
 
+def test_sampled_branches_are_drawn_over_the_draft_vocabulary_and_reply_over_the_targets(tiny_checkpoints, tmp_path):
+    """At temperature > 0 the tree decode samples over the head's draft vocabulary and the cache
+    keeps q there; a hit replies with q over the target's vocabulary, zero at every id the head
+    cannot propose, each row a distribution that gives its token positive probability."""
+    target_dir = tiny_checkpoints["llama-gqa-tied"].path
+    draft_ids = list(range(0, 256, 2))
+    write_tiny_head(tmp_path / "head", target_dir, draft_ids=draft_ids, seed=9, scale=1.0)
+    target = LLM(str(target_dir), weights="fp32").engine.loaded
+    head = load_eagle3_head(tmp_path / "head", target, device=torch.device("cpu"))
+    settings = DrafterSettings(k=3, fanout_hit=(2, 2, 2, 2), fanout_miss=(2, 2, 2, 2), block_size=4, num_blocks=256,
+                               vocab_size=256, saguaro=0.5)
+    core = DrafterCore(head, settings, torch.device("cpu"))
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=3)
+    context = [1, 17, 40, 3, 99, 12, 8]
+    features = torch.randn(len(context) - 1, 3 * 64, generator=torch.Generator().manual_seed(0))
+    outside = torch.ones(256, dtype=torch.bool)
+    outside[draft_ids] = False
+
+    def check_reply(reply):
+        assert reply.probs.shape == (len(reply.tokens), 256)
+        assert not reply.probs[:, outside].any()
+        assert torch.allclose(reply.probs.sum(dim=-1), torch.ones(len(reply.tokens)))
+        assert all(reply.probs[i, t] > 0 for i, t in enumerate(reply.tokens))
+
+    reply = core.speculate([SpecRequest(0, context, None, params, 3, features.numpy(), 0)])[0]
+    assert reply.source == "jit"
+    check_reply(reply)
+    core.prepare_next()
+    entries = dict(core.cache.entries)
+    assert entries and all(e.probs.shape == (3, len(draft_ids)) for e in entries.values())
+    (j, c), entry = next(((j, c), e) for (_, j, c), e in entries.items() if j == 1)
+    verified = torch.randn(2, 3 * 64, generator=torch.Generator().manual_seed(1))
+    hit = core.speculate([SpecRequest(0, reply.tokens[:1] + [c], 1, params, 3, verified.numpy(), len(context) - 1)])[0]
+    assert hit.source == "hit" and hit.tokens == entry.tokens
+    check_reply(hit)
+    assert torch.equal(hit.probs[:, draft_ids], entry.probs)
+
+
 @pytest.mark.parametrize("k, backup", [(1, "jit"), (3, "fast"), (5, "jit")])
 def test_greedy_ssd_with_a_head_equals_ar(head_pair, k, backup):
     prompts = [PROMPT, [2, 4], [6, 1, 1, 0, 3], [5]]

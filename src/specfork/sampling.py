@@ -62,26 +62,34 @@ def logits_to_probs(
     return scaled.softmax(dim=-1)
 
 
-NUCLEUS_WIDTH = 64  # candidates searched first for a row's nucleus (doubled while too few)
+NUCLEUS_WIDTH = 64  # candidates searched first for a row's nucleus (4x more while too few)
 
 
 def _outside_nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """[N, V] bool: the tokens top-p removes from each row of ``probs`` (none where top_p is 1).
     By descending probability, a token is kept while the mass before it is below top_p (the first
     always); every token as probable as the last one kept is kept too, so the kept set does not
-    depend on the order of tied tokens (nor on how many candidates were searched)."""
-    vocab = probs.shape[-1]
-    off = top_p >= 1.0
+    depend on the order of tied tokens (nor on how many candidates were searched).
+
+    The candidates are each row's largest NUCLEUS_WIDTH probabilities; only the rows whose
+    nucleus is wider search again, among 4x as many (a flat draft distribution's nucleus can
+    hold thousands of tokens, and ``topk`` of the whole batch at every width cost more than the
+    draft's forward)."""
+    n, vocab = probs.shape
+    last_kept = torch.zeros(n, 1, dtype=probs.dtype, device=probs.device)  # 0 keeps every token
+    todo = torch.nonzero(top_p < 1.0).squeeze(1)
     width = min(NUCLEUS_WIDTH, vocab)
-    while True:
-        values, _ = probs.topk(width, dim=-1)  # descending
+    while len(todo):
+        p = top_p.index_select(0, todo).unsqueeze(1)
+        values, _ = probs.index_select(0, todo).topk(width, dim=-1)  # descending
         mass = values.cumsum(dim=-1)
-        if width == vocab or bool(((mass[:, -1] >= top_p) | off).all()):
-            break  # every row's nucleus ends within the candidates (or they are the vocabulary)
-        width = min(2 * width, vocab)
-    # mass before a token only grows along the row, so the kept tokens are a prefix
-    kept = ((mass - values) < top_p.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp_(min=1)
-    return (probs < values.gather(1, kept - 1)) & ~off.unsqueeze(1)
+        done = (mass[:, -1:] >= p).squeeze(1) | (width == vocab)  # the nucleus ends within the candidates
+        # mass before a token only grows along the row, so the kept tokens are a prefix
+        kept = ((mass - values) < p).sum(dim=-1, keepdim=True).clamp_(min=1)
+        last_kept[todo[done]] = values.gather(1, kept - 1)[done]
+        todo = todo[~done]
+        width = min(4 * width, vocab)
+    return probs < last_kept
 
 
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 
 from specfork.engine.block_manager import BlockManager
 from specfork.engine.model_runner import ModelRunner
-from specfork.sampling import Reshape, sample
+from specfork.sampling import Draw, Reshape, sample
 from specfork.sampling_params import SamplingParams
 
 
@@ -40,6 +40,7 @@ class Drafted:
 class DraftRunner:
     reads_features = False
     row_offset = 0  # a token at position p is fed at position p
+    draft_to_target: list[int] | None = None  # a logit column's target id (None: the column is the id)
 
     def __init__(self, model, *, vocab_size: int, num_blocks: int, block_size: int, device: torch.device,
                  cuda_graphs: bool = False, max_seqs: int = 32, max_rows: int = 9) -> None:
@@ -113,6 +114,17 @@ class DraftRunner:
         """One token per table, ``tokens[i]`` at ``positions[i]``: (logits [n, V], None)."""
         logits = self.runner.forward(tables, positions, [[t] for t in tokens], list(range(len(tokens))), decode=True)
         return logits[:, : self.vocab_size], None
+
+    @staticmethod
+    def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list,
+               reshape: Reshape | None = None) -> Draw:
+        """One token per row of this runner's logits (a draft model's columns are target ids)."""
+        return sample(logits, params, generators, reshape)
+
+    @staticmethod
+    def in_target_vocabulary(q: torch.Tensor) -> torch.Tensor:
+        """A draft model's q is over the target's vocabulary already."""
+        return q
 
     def release(self, state: DraftState) -> None:
         self.blocks.free(state)

@@ -20,7 +20,7 @@ import torch
 
 from specfork.engine.block_manager import BlockManager
 from specfork.engine.model_runner import ModelRunner
-from specfork.sampling import Reshape, greedy_tokens, sample
+from specfork.sampling import Draw, Reshape, sample
 from specfork.sampling_params import SamplingParams
 from specfork.speculative.draft_runner import Drafted, DraftState, last_rows
 
@@ -113,9 +113,9 @@ class HeadRunner:
 
     def decode_step(self, tables: list, positions: list[int], tokens: list[int], hidden: torch.Tensor):
         """One row per table: token ``tokens[i]`` at ``positions[i] + 1`` read by row
-        ``positions[i]`` with ``hidden[i]``; (full-vocabulary logits [n, V], the head's outputs [n, d])."""
-        out, logits = self._rows(tables, positions, [[t] for t in tokens], hidden, decode=True)
-        return self.full_logits(logits), out
+        ``positions[i]`` with ``hidden[i]``; (draft-vocabulary logits [n, draft vocab], the head's
+        outputs [n, d]). ``sample`` draws from such logits."""
+        return self._rows(tables, positions, [[t] for t in tokens], hidden, decode=True)[::-1]
 
     def _rows(self, tables: list, starts: list[int], feeds: list[list[int]], hidden: torch.Tensor | None, *,
               decode: bool, features: torch.Tensor | None = None, logit_rows: list[int] | None = None):
@@ -133,16 +133,25 @@ class HeadRunner:
         """A drafting step as the static steps run it: (outputs, draft logits) of every row."""
         return self.head(ids, pos, hidden, self.runner.kv_caches, meta, logit_rows=range(len(ids)))
 
-    def full_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
-        """The head's draft-vocabulary logits scattered into the target's vocabulary (-inf
-        elsewhere) [n, V]."""
-        return self._in_target_vocabulary(draft_logits, float("-inf"))
-
-    def _in_target_vocabulary(self, rows: torch.Tensor, fill: float) -> torch.Tensor:
-        """[n, draft vocab] -> [n, V]: each draft id's column at its target id, ``fill`` elsewhere."""
-        out = torch.full((len(rows), self.vocab_size), fill, device=self.device)
-        out[:, self.head.draft_to_target] = rows
+    def in_target_vocabulary(self, q: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary distributions [n, draft vocab] -> the same over the target's
+        vocabulary [n, V], zero at every target id the head cannot propose."""
+        out = torch.zeros((len(q), self.vocab_size), dtype=q.dtype, device=self.device)
+        out[:, self.head.draft_to_target] = q
         return out
+
+    def sample(self, draft_logits: torch.Tensor, params: list[SamplingParams], generators: list,
+               reshape: Reshape | None = None) -> Draw:
+        """One token per row of the head's draft-vocabulary logits, through the one sampling
+        module: the tokens as target ids, the q of the sampled rows still over the draft
+        vocabulary (``in_target_vocabulary`` scatters them).
+
+        Filtering, reshaping and drawing over the draft vocabulary (4096 ids where the target has
+        49152; a step's sampling cost several head forwards over the whole vocabulary) give the
+        same q as over the scattered logits (-inf elsewhere): tokens of probability 0 add nothing
+        to a filter, and Saguaro's reshape scales a row's most probable tokens and renormalises.
+        The draft ids being in target-id order, the draws are the same too."""
+        return self._as_target(sample(draft_logits, params, generators, reshape))
 
     # -- the drafting loop --------------------------------------------------------------
 
@@ -175,15 +184,16 @@ class HeadRunner:
         confidence = [1.0] * len(states)
         step = 0
         while active:
-            drafted, q, p, top = self._draw(logits, [params[i] for i in active], [generators[i] for i in active],
-                                            reshape, with_confidence=min_confidence > 0)
+            draw, p, top = self._draw(logits, [params[i] for i in active], [generators[i] for i in active],
+                                      reshape, with_confidence=min_confidence > 0)
             keep = []
             for row, i in enumerate(active):
                 if confidence[i] * top[row] < min_confidence:
                     continue  # the chain ends before this position (its draw is discarded)
-                tokens[i].append(drafted[row])
-                if q is not None and not params[i].greedy:
-                    probs[i].append(q[row])
+                tokens[i].append(draw.tokens[row])
+                q = draw.q_of(row)
+                if q is not None:
+                    probs[i].append(q)
                 confidence[i] *= p[row]
                 if len(tokens[i]) < num_tokens[i]:
                     keep.append(row)
@@ -196,41 +206,34 @@ class HeadRunner:
             step += 1
             out, logits = self._rows([states[i] for i in active], positions, [[tokens[i][-1]] for i in active], out,
                                      decode=True)
-        return [Drafted(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs, strict=True)]
+        return [Drafted(t, self.in_target_vocabulary(torch.stack(p)) if p else None)
+                for t, p in zip(tokens, probs, strict=True)]
 
     def _draw(self, draft_logits: torch.Tensor, params: list[SamplingParams], generators: list,
-              reshape: Reshape | None, *, with_confidence: bool):
-        """One token per row of the head's draft-vocabulary logits: (tokens, q [rows, V] or None
-        when every row is greedy, the head's probability of each token, and its top probability in
-        each row; ones for both unless ``with_confidence``)."""
-        ones = [1.0] * len(params)
-        if all(p.greedy for p in params):  # the head's best token; no distribution to send
-            tokens = [self.draft_to_target[best] for best in greedy_tokens(draft_logits)]
-            if not with_confidence:
-                return tokens, None, ones, ones
-            confidence = torch.softmax(draft_logits, dim=-1).amax(dim=-1).tolist()  # the best token's
-            return tokens, None, confidence, confidence
-        # The filter, the reshape and the draw run over the draft vocabulary (4096 ids where the
-        # target has 49152: at temperature > 0 a chain step's sampling cost several head forwards),
-        # and q is scattered into the target's vocabulary afterwards, zero elsewhere: the same q as
-        # filtering the scattered logits (-inf elsewhere) and reshaping that (Saguaro's reshape
-        # scales a row's most probable tokens and renormalises, and tokens of probability 0 add
-        # nothing to either).
-        draw = sample(draft_logits, params, generators, reshape)
-        head_probs = torch.softmax(draft_logits, dim=-1)
-        chosen = torch.tensor(draw.tokens, device=self.device).unsqueeze(1)
-        confidence = head_probs.gather(1, chosen).squeeze(1).tolist()
-        top = head_probs.amax(dim=-1).tolist() if with_confidence else ones
-        q = torch.stack([draw.q_of(r) if draw.q_of(r) is not None else head_probs[r] for r in range(len(params))])
-        return [self.draft_to_target[t] for t in draw.tokens], self._in_target_vocabulary(q, 0.0), confidence, top
+              reshape: Reshape | None, *, with_confidence: bool) -> tuple[Draw, list[float], list[float]]:
+        """``sample``'s draw, the head's probability of each row's token and its top probability in
+        each row (ones for both unless ``with_confidence``)."""
+        draw = sample(draft_logits, params, generators, reshape)  # draft ids
+        if not with_confidence:
+            confidence = top = [1.0] * len(params)
+        else:
+            head_probs = torch.softmax(draft_logits, dim=-1)
+            chosen = torch.tensor(draw.tokens, device=self.device).unsqueeze(1)
+            confidence = head_probs.gather(1, chosen).squeeze(1).tolist()
+            top = head_probs.amax(dim=-1).tolist()
+        return self._as_target(draw), confidence, top
+
+    def _as_target(self, draw: Draw) -> Draw:
+        return Draw([self.draft_to_target[t] for t in draw.tokens], draw.sampled, draw.probs)
 
     # -- SSD's glue ---------------------------------------------------------------------
 
     def glue(self, states: list[HeadState], contexts: list[list[int]], specs: list[list[int]]):
         """For each (ready) state, the head's distributions L_0..L_m after ``context``, ``context +
-        spec[:1]``, .., ``context + spec`` (m = len(spec)): (logits [m + 1, V] per state, the
-        head's outputs behind them [m + 1, d] per state). The spec's rows are written as the
-        head's own chain would write them (stand-ins until the target's features exist)."""
+        spec[:1]``, .., ``context + spec`` (m = len(spec)): (draft-vocabulary logits [m + 1, draft
+        vocab] per state, the head's outputs behind them [m + 1, d] per state). The spec's rows are
+        written as the head's own chain would write them (stand-ins until the target's features
+        exist)."""
         self.catch_up(states, contexts)
         outs = [[st.last_out] for st in states]
         logits = [[st.last_logits] for st in states]
@@ -247,7 +250,7 @@ class HeadRunner:
                 logits[i].append(step_logits[row : row + 1])
         for st, context, spec in zip(states, contexts, specs, strict=True):
             st.num_cached_tokens = len(context) - 1 + len(spec)
-        return [self.full_logits(torch.cat(lg)) for lg in logits], [torch.cat(o) for o in outs]
+        return [torch.cat(lg) for lg in logits], [torch.cat(o) for o in outs]
 
     def release(self, state: DraftState) -> None:
         self.blocks.free(state)

@@ -35,6 +35,8 @@ class Proposal:
         if all(q is None for q in probs):
             return cls(tokens, None)
         k = max((len(t) for t in tokens), default=0)
+        if len(tokens) == 1:  # q itself, no copy (a sampled SSD round's q is [k, V], ~1 MB)
+            return cls(tokens, probs[0][None, :k, :vocab_size].to(device))
         stacked = torch.zeros(len(tokens), max(k, 1), vocab_size, device=device)
         for i, (t, q) in enumerate(zip(tokens, probs, strict=True)):
             if q is not None and t:

@@ -15,7 +15,8 @@ from specfork.speculative.ssd.messages import SpecRequest
 @dataclass(slots=True)
 class CachedDraft:
     tokens: list[int]
-    probs: torch.Tensor | None  # [len(tokens), V] q of each token; None for greedy requests
+    probs: torch.Tensor | None  # q of each token over the drafter's columns (an EAGLE-3 head's: its draft
+    # vocabulary; the drafter scatters a hit's into the target's); None for greedy requests
 
 
 class SpeculationCache:

@@ -35,7 +35,7 @@ from functools import partial
 import torch
 
 from specfork.models.eagle3 import Eagle3Head
-from specfork.sampling import Draw, sample
+from specfork.sampling import Draw
 from specfork.sampling_params import SamplingParams
 from specfork.speculative.draft_runner import DraftRunner, DraftState
 from specfork.speculative.head_runner import HeadRunner, HeadState
@@ -136,7 +136,7 @@ class DrafterCore:
             self.stats["requests"] += 1
             if entry is not None:
                 n = min(req.num_tokens, len(entry.tokens))
-                probs = None if entry.probs is None else entry.probs[:n]
+                probs = None if entry.probs is None else self.drafts.in_target_vocabulary(entry.probs[:n])
                 replies[req.seq_id] = SpecReply(req.seq_id, "hit", entry.tokens[:n], probs)
                 self.stats["hits"] += 1
             else:
@@ -185,7 +185,7 @@ class DrafterCore:
         return [SpecReply(r.seq_id, "jit", d.tokens, d.probs) for r, d in zip(reqs, drafted, strict=True)]
 
     def _sample(self, logits: torch.Tensor, states: list[TrunkState]) -> Draw:
-        return sample(logits, [st.params for st in states], [st.generator for st in states], self._reshape)
+        return self.drafts.sample(logits, [st.params for st in states], [st.generator for st in states], self._reshape)
 
     # -- round steps 2-4: pre-draft -----------------------------------------------------
 
@@ -203,12 +203,13 @@ class DrafterCore:
         if not seq_ids:
             return
         states = [self.states[i] for i in seq_ids]
-        # Forward [.., rec, x1..xk] into each trunk: L_0..L_k per state [k + 1, V].
+        # Forward [.., rec, x1..xk] into each trunk: L_0..L_k per state [k + 1, the drafter's columns].
         glued, outs = self.drafts.glue(states, [st.history for st in states], [st.last_spec for st in states])
         branches = []  # (state index, j, candidate)
         for s, (st, logits) in enumerate(zip(states, glued, strict=True)):
             fan = self.settings.fanout_hit if st.hit else self.settings.fanout_miss
-            branches.extend((s, j, c) for j, c in fork_candidates(logits, st.last_spec, fan, st.params))
+            forks = fork_candidates(logits, st.last_spec, fan, st.params, self.drafts.draft_to_target)
+            branches.extend((s, j, c) for j, c in forks)
         if not branches:
             return
         if self.settings.tree_backend == "sdpa":

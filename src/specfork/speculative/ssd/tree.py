@@ -36,8 +36,9 @@ from specfork.speculative.draft_runner import DraftRunner
 from specfork.speculative.head_runner import HeadRunner
 
 Branch = tuple[int, int, int]  # (index of its sequence's trunk, outcome j, candidate token)
-Sampler = Callable[[torch.Tensor, list], Draw]  # (logits [N, V], trunk of each row) -> draw
-Drafts = list[tuple[list[int], torch.Tensor | None]]  # per branch: k tokens and their q (None if greedy)
+Sampler = Callable[[torch.Tensor, list], Draw]  # (the drafter's logits [N, columns], trunk of each row) -> draw
+Drafts = list[tuple[list[int], torch.Tensor | None]]  # per branch: k tokens and their q (None if greedy), over
+# the drafter's columns (an EAGLE-3 head's draft vocabulary)
 
 
 def saguaro_reshape(q: torch.Tensor, top: int, coefficient: float) -> torch.Tensor:
@@ -50,25 +51,30 @@ def saguaro_reshape(q: torch.Tensor, top: int, coefficient: float) -> torch.Tens
     return scaled / scaled.sum(dim=-1, keepdim=True)
 
 
-def fork_candidates(logits: torch.Tensor, spec: list[int], fan: tuple[int, ...], params: SamplingParams) -> list[tuple[int, int]]:
+def fork_candidates(logits: torch.Tensor, spec: list[int], fan: tuple[int, ...], params: SamplingParams,
+                    column_ids: list[int] | None = None) -> list[tuple[int, int]]:
     """Branches (j, candidate), j-major: for each outcome j = 0..len(spec), the top-F_j tokens
     of L_j (``logits[j]``) excluding spec[j] (the token that was itself speculated there).
     For sampling requests candidates are ranked by the filtered draft distribution and tokens it
-    gives probability 0 are skipped."""
+    gives probability 0 are skipped. ``column_ids``: the target id of each column of ``logits``
+    (an EAGLE-3 head's draft vocabulary; None: the column is the id)."""
     out = []
     scores = logits if params.greedy else filtered_probs(logits, [params] * logits.shape[0])
     for j in range(len(spec) + 1):
         f = fan[j] if j < len(fan) else 0
         if f <= 0:
             continue
-        row = scores[j].clone()
-        if j < len(spec):
-            row[spec[j]] = float("-inf")
-        vals, idx = row.topk(min(f, row.shape[0]))
+        excluded = spec[j] if j < len(spec) else None
+        vals, idx = scores[j].topk(min(f + 1, scores.shape[1]))  # one more, in case the excluded is among them
+        taken = 0
         for v, c in zip(vals.tolist(), idx.tolist(), strict=True):
-            if v == float("-inf") or (not params.greedy and v <= 0.0):
+            token = c if column_ids is None else column_ids[c]
+            if taken == f or v == float("-inf") or (not params.greedy and v <= 0.0):
+                break
+            if token == excluded:
                 continue
-            out.append((j, c))
+            out.append((j, token))
+            taken += 1
     return out
 
 
