@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specfork import LLM, SamplingParams, SpecforkError
+from specfork.config import SSD_DEFAULT_K, Config
 from specfork.speculative.auto_k import FIRST_PROBE, PROBE_EVERY, AutoK, StepCosts, modelled_round_s, plan
 
 
@@ -188,12 +189,20 @@ def test_k_auto_sd_equals_ar(tiny_checkpoints):
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     ar = [o.token_ids for o in LLM(path, deterministic=True).generate(prompts, params)]
     for drafter, draft in (("ngram", None), ("draft", str(tiny_checkpoints["llama3-rope-untied-sharded"].path))):
-        llm = LLM(path, mode="sd", drafter=drafter, draft=draft, k="auto", deterministic=True)
+        llm = LLM(path, mode="sd", drafter=drafter, draft=draft, deterministic=True)  # k auto: SD's default
+        free = llm.engine.block_manager.num_free_blocks  # the measurements at start-up gave back their blocks
         assert [o.token_ids for o in llm.generate(prompts, params)] == ar
         auto = llm.engine.step_strategy.auto_k
         assert len(auto.costs.verify_s) == 9 and all(t > 0 for t in auto.costs.verify_s)
         assert [m for m, _ in auto.costs.long_s] == [16, 32, 64] and all(t > 0 for _, t in auto.costs.long_s)
         assert (auto.costs.draft_s == 0) == (drafter == "ngram")
+        assert llm.engine.block_manager.num_free_blocks == free == llm.engine.block_manager.num_blocks
+
+
+def test_sd_defaults_to_k_auto_and_ssd_to_a_fixed_k():
+    assert Config(mode="sd").k == "auto" and Config(mode="sd", drafter="ngram").k == "auto"
+    assert Config(mode="ssd").k == SSD_DEFAULT_K == 5
+    assert Config(mode="sd", k=3).k == 3 and Config(mode="ssd", k=2).k == 2
 
 
 def test_k_auto_is_refused_for_ssd_and_bad_k_values():

@@ -244,6 +244,9 @@ def test_bench_runs_specfork_on_the_chosen_device():
     s = BenchSettings(device="cuda:1")
     assert all(_engine_options(mode, s)["device"] == "cuda:1" for mode in ("ar", "sd", "ssd", "ngram"))
     assert _cell_settings("ar", s)["device"] == "cuda:1" and "device" not in _cell_settings("ar", BenchSettings())
+    # k: the engine's default unless given (auto for SD and n-gram lookup, a fixed k for SSD), shown resolved
+    assert [_cell_settings(m, BenchSettings())["k"] for m in ("sd", "ngram", "ssd")] == ["auto", "auto", 5]
+    assert "k" not in _cell_settings("ar", BenchSettings()) and _cell_settings("sd", BenchSettings(k=3))["k"] == 3
     eager = BenchSettings(device="cuda", cuda_graphs=False)
     assert _engine_options("sd", eager)["cuda_graphs"] is False and _cell_settings("ar", eager)["cuda_graphs"] is False
 

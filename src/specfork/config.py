@@ -25,6 +25,7 @@ WEIGHTS = ("native", "native-int8", "fp32")
 QUANTIZE = ("int4",)
 QUANTIZE_GROUPS = (32, 64, 128)
 K_MAX = 8  # the most tokens k "auto" may propose in a round
+SSD_DEFAULT_K = 5  # SSD's k when none is given (SD's is "auto")
 
 
 ENGINE, SPECULATIVE, SSD = "engine", "speculative decoding", "SSD (--mode ssd)"
@@ -84,11 +85,13 @@ class Config:
                                "target's vocabulary, an EAGLE-3 head directory (it reads the target's own "
                                "features), or 'default' (also used when omitted): the draft shipped with specfork "
                                "for the embedded model", group=SPECULATIVE)
-    k: int | str = option(5, "tokens proposed per round, or auto (SD): chosen for each batch size from the draft and "
-                          "target step times measured at start-up and the acceptance observed while generating "
-                          "(speculative/auto_k.py); the choice and its reasons are reported. Sampling with a "
-                          "seed is reproducible at a fixed k; auto's choice follows measured times, so it may not be",
-                          parse=int_or_auto, group=SPECULATIVE)
+    k: int | str | None = option(None, "tokens proposed per round, or auto (SD): chosen for each batch size from "
+                                 "the draft and target step times measured at start-up and the acceptance observed "
+                                 "while generating, 0 (plain decoding) where speculation does not pay "
+                                 "(speculative/auto_k.py); the choice and its reasons are reported. Sampling with a "
+                                 "seed is reproducible at a fixed k; auto's choice follows measured times, so it may "
+                                 f"not be (default: auto for SD, {SSD_DEFAULT_K} for SSD)",
+                                 parse=int_or_auto, group=SPECULATIVE)
     draft_confidence: float | None = option(
         None, "SD with an EAGLE-3 head: take a chain's next token only while the head's probability of the chain "
         "so far times its top probability there is at least this, so a chain may be empty (0: always draft --k "
@@ -179,6 +182,8 @@ class Config:
             raise SpecforkError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.drafter not in DRAFTERS:
             raise SpecforkError(f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
+        if self.k is None:  # SD: auto, which falls back to plain decoding where drafts do not pay
+            object.__setattr__(self, "k", "auto" if self.mode == "sd" else SSD_DEFAULT_K)
         if self.k == "auto":
             if self.mode == "ssd":
                 raise SpecforkError("k 'auto' is for SD; SSD's k also shapes the drafter's tree: set it, "

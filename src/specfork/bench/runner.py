@@ -208,9 +208,11 @@ def _cell_settings(mode: str, s: BenchSettings) -> dict:
     if mode != "ar":
         keep |= {"k"}
     shown = {}
-    config = Config(model=s.model, **_engine_options(mode, s)) if mode in ("sd", "ngram") else None
-    if mode == "sd":  # the settings the engine runs with (its defaults resolved)
-        shown = {"draft_confidence": config.head_confidence, "lookup_first": config.lookup_first_n}
+    config = Config(model=s.model, **_engine_options(mode, s)) if mode != "ar" else None
+    if config is not None:  # the settings the engine runs with (its defaults resolved)
+        shown["k"] = config.k
+    if mode == "sd":
+        shown |= {"draft_confidence": config.head_confidence, "lookup_first": config.lookup_first_n}
         keep |= {name for name, value in shown.items() if value}
     if config is not None and config.prompt_lookup:  # which corpus the lookup searches, by name ("none" for none)
         from specfork.loading.resolve import resolve_checkpoint, resolve_corpus

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specfork.config import DEFAULT_CORPUS_TOKENS, DEFAULT_MODEL, SSD_BACKUPS, WEIGHTS
+from specfork.config import DEFAULT_CORPUS_TOKENS, DEFAULT_MODEL, SSD_BACKUPS, SSD_DEFAULT_K, WEIGHTS
 from specfork.errors import SpecforkError
 from specfork.options import comma_list, int_or_auto, on_off, option
 
@@ -40,8 +40,9 @@ class BenchSettings:
     temperature: float = option(0.0, "0 = greedy")
     top_p: float = option(1.0, "nucleus sampling mass in (0, 1] at temperature > 0 (1 = off)")
     top_k: int = option(0, "keep the k most likely tokens at temperature > 0 (0 = off)")
-    k: int | str = option(5, "speculated tokens per round, or auto (sd and ngram modes: chosen from measured "
-                          "costs)", parse=int_or_auto)
+    k: int | str | None = option(None, "speculated tokens per round, or auto (sd and ngram modes: chosen from "
+                                 "measured costs, 0 where speculation does not pay) (default: the engine's, auto "
+                                 f"for sd and ngram, {SSD_DEFAULT_K} for ssd)", parse=int_or_auto)
     draft_confidence: float | None = option(None, "SD with an EAGLE-3 head: take a chain's next token only while "
                                             "the head's chain probability times its top probability there is at "
                                             "least this (0: always k; default: the engine's, 0.3 with the shipped "
@@ -92,7 +93,7 @@ class BenchSettings:
             if "ssd" in self.modes:
                 raise SpecforkError("k auto is for the sd and ngram modes (SSD's k also shapes the drafter's tree): "
                                     "pass a number, or leave ssd out of --modes")
-        elif not isinstance(self.k, int) or isinstance(self.k, bool):
+        elif self.k is not None and (not isinstance(self.k, int) or isinstance(self.k, bool)):
             raise SpecforkError(f"k must be an integer >= 1 or auto, got {self.k!r}")
         if self.weights not in WEIGHTS:
             raise SpecforkError(f"weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
@@ -100,7 +101,7 @@ class BenchSettings:
             raise SpecforkError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.ssd_drafter not in SSD_DRAFTERS:
             raise SpecforkError(f"ssd_drafter must be one of {', '.join(SSD_DRAFTERS)}, got {self.ssd_drafter!r}")
-        for name in ("num_prompts", "output_len", "fan_out", "batch_size", "repeat", "tensor_parallel_size") + (("k",) if self.k != "auto" else ()):
+        for name in ("num_prompts", "output_len", "fan_out", "batch_size", "repeat", "tensor_parallel_size") + (("k",) if isinstance(self.k, int) else ()):
             if getattr(self, name) < 1:
                 raise SpecforkError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.lookup_first is not None and (isinstance(self.lookup_first, bool)

@@ -91,11 +91,11 @@ def measure_step_costs(runner, block_manager, draft_s: float, max_model_len: int
     rows where the context length and the free cache allow them, after MEASURE_CONTEXT cached
     tokens (fewer where the context length is shorter)."""
     context = max(1, min(MEASURE_CONTEXT, max_model_len - k_max - 1))
-    verify = tuple(measure_forward(runner, block_manager, m, context) for m in range(1, k_max + 2))
     fits = [m for m in LONG_WINDOWS if m > k_max + 1 and context + m <= max_model_len
             and block_manager.blocks_for(context + m) <= block_manager.num_free_blocks]
-    return StepCosts(draft_s, verify,
-                     tuple((m, measure_forward(runner, block_manager, m, context, repeat=2)) for m in fits))
+    windows = [(m, 5) for m in range(1, k_max + 2)] + [(m, 2) for m in fits]
+    seconds = measure_forwards(runner, block_manager, windows, context)
+    return StepCosts(draft_s, tuple(seconds[: k_max + 1]), tuple(zip(fits, seconds[k_max + 1 :], strict=True)))
 
 
 def time_call(fn: Callable[[], object], repeat: int = 5) -> float:
@@ -118,16 +118,29 @@ def _wait_for_gpu() -> None:
 
 def measure_forward(runner, block_manager, rows: int, context: int = MEASURE_CONTEXT, repeat: int = 5) -> float:
     """Median time of one decode-style forward of ``rows`` new tokens after ``context`` cached ones."""
+    return measure_forwards(runner, block_manager, [(rows, repeat)], context)[0]
+
+
+def measure_forwards(runner, block_manager, windows: list[tuple[int, int]], context: int = MEASURE_CONTEXT) -> list[float]:
+    """For each (rows, repeat) of ``windows``, the median time of one decode-style forward of
+    ``rows`` new tokens after ``context`` cached ones. The context is prefilled once (it was
+    prefilled for each window, ~40% of k auto's start-up measurement): every window writes the
+    positions after it and reads only those it wrote itself."""
     from specfork.engine.sequence import Sequence
     from specfork.sampling_params import SamplingParams
 
     vocab = runner.model.config.vocab_size
-    tokens = [(1 + i * 7919) % vocab for i in range(context + rows)]
+    tokens = [(1 + i * 7919) % vocab for i in range(context + max(rows for rows, _ in windows))]
     seq = Sequence(-1, tokens, SamplingParams(temperature=0.0), torch.Generator())
     block_manager.grow(seq, len(tokens))
     try:
         runner.forward([seq], [0], [tokens[:context]], [context - 1], decode=False)
-        return time_call(lambda: runner.forward([seq], [context], [tokens[context:]], list(range(rows))), repeat)
+        times = []
+        for rows, repeat in windows:
+            feed = tokens[context : context + rows]
+            times.append(time_call(lambda feed=feed, rows=rows: runner.forward([seq], [context], [feed], list(range(rows))),
+                                   repeat))
+        return times
     finally:
         block_manager.free(seq)
 
