@@ -115,7 +115,8 @@ class HeadRunner:
         """One row per table: token ``tokens[i]`` at ``positions[i] + 1`` read by row
         ``positions[i]`` with ``hidden[i]``; (draft-vocabulary logits [n, draft vocab], the head's
         outputs [n, d]). ``sample`` draws from such logits."""
-        return self._rows(tables, positions, [[t] for t in tokens], hidden, decode=True)[::-1]
+        out, logits = self._rows(tables, positions, [[t] for t in tokens], hidden, decode=True)
+        return logits, out
 
     def _rows(self, tables: list, starts: list[int], feeds: list[list[int]], hidden: torch.Tensor | None, *,
               decode: bool, features: torch.Tensor | None = None, logit_rows: list[int] | None = None):
