@@ -329,8 +329,9 @@ def test_n_samples_with_a_seed_are_reproducible_and_differ(server):
 
 @pytest.fixture(scope="module")
 def spec_servers():
-    args = ("--deterministic", "--max-model-len", "1024", "--k", "3")
-    with running_servers(("--mode", "sd", *args), ("--mode", "ssd", *args)) as (sd, ssd):
+    args = ("--deterministic", "--max-model-len", "1024")
+    # SD at its defaults (k auto, the shipped head); SSD at a small fixed k
+    with running_servers(("--mode", "sd", *args), ("--mode", "ssd", "--k", "3", *args)) as (sd, ssd):
         yield {"sd": sd, "ssd": ssd}
 
 
