@@ -92,6 +92,7 @@ def test_tp2_speculative_decoding_equals_tp2_ar(head_pair, draft_pair):
     with LLM(target, tensor_parallel_size=2, deterministic=True) as ar:
         expected = [o.token_ids for o in ar.generate(prompts, GREEDY)]
     modes = [dict(mode="sd", draft=draft_pair["draft"], k=3), dict(mode="sd", draft=head_pair["draft"], k=4),
+             dict(mode="sd", draft=head_pair["draft"]),  # k auto, SD's default: measured over both ranks
              dict(mode="ssd", draft=head_pair["draft"], k=3, backup="fast"),
              dict(mode="ssd", draft=draft_pair["draft"], k=3, drafter_rank=2)]  # a world of 3 ranks
     for options in modes:
