@@ -93,14 +93,16 @@ def measure_step_costs(runner, block_manager, draft_s: float, max_model_len: int
     context = max(1, min(MEASURE_CONTEXT, max_model_len - k_max - 1))
     fits = [m for m in LONG_WINDOWS if m > k_max + 1 and context + m <= max_model_len
             and block_manager.blocks_for(context + m) <= block_manager.num_free_blocks]
-    windows = [(m, 5) for m in range(1, k_max + 2)] + [(m, 2) for m in fits]
+    windows = [(m, 3) for m in range(1, k_max + 2)] + [(m, 2) for m in fits]
     seconds = measure_forwards(runner, block_manager, windows, context)
     return StepCosts(draft_s, tuple(seconds[: k_max + 1]), tuple(zip(fits, seconds[k_max + 1 :], strict=True)))
 
 
-def time_call(fn: Callable[[], object], repeat: int = 5) -> float:
-    """Median wall time of ``fn``; on CUDA each call is waited for, since kernels run asynchronously."""
-    fn()  # warm-up
+def time_call(fn: Callable[[], object], repeat: int = 5, warm_up: bool = True) -> float:
+    """Median wall time of ``fn`` (after one untimed call unless not ``warm_up``); on CUDA each call
+    is waited for, since kernels run asynchronously."""
+    if warm_up:
+        fn()
     samples = []
     for _ in range(repeat):
         _wait_for_gpu()
@@ -125,7 +127,9 @@ def measure_forwards(runner, block_manager, windows: list[tuple[int, int]], cont
     """For each (rows, repeat) of ``windows``, the median time of one decode-style forward of
     ``rows`` new tokens after ``context`` cached ones. The context is prefilled once (it was
     prefilled for each window, ~40% of k auto's start-up measurement): every window writes the
-    positions after it and reads only those it wrote itself."""
+    positions after it and reads only those it wrote itself. On the CPU only the first window is
+    warmed up (the same costs within the noise, in 0.48 s where a warm-up and 5 timed calls per
+    window took 0.78 s); on CUDA every window is, since a new shape's first step captures a graph."""
     from specfork.engine.sequence import Sequence
     from specfork.sampling_params import SamplingParams
 
@@ -136,10 +140,10 @@ def measure_forwards(runner, block_manager, windows: list[tuple[int, int]], cont
     try:
         runner.forward([seq], [0], [tokens[:context]], [context - 1], decode=False)
         times = []
-        for rows, repeat in windows:
+        for i, (rows, repeat) in enumerate(windows):
             feed = tokens[context : context + rows]
             times.append(time_call(lambda feed=feed, rows=rows: runner.forward([seq], [context], [feed], list(range(rows))),
-                                   repeat))
+                                   repeat, warm_up=i == 0 or runner.device.type != "cpu"))
         return times
     finally:
         block_manager.free(seq)
