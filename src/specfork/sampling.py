@@ -44,8 +44,8 @@ def logits_to_probs(
     ``top_p`` (at least one token; ties at the boundary are kept).
 
     Neither sorts the vocabulary: the k-th largest logit comes from ``topk``, and the nucleus is
-    searched among each row's largest NUCLEUS_WIDTH probabilities, widened (doubling) only for a
-    row whose nucleus is wider. (Sorting 49152 logits took ~4 ms a row on a 2-core CPU, about a
+    searched among each row's largest NUCLEUS_WIDTH probabilities, widened (4x at a time) only
+    for a row whose nucleus is wider. (Sorting 49152 logits took ~4 ms a row on a 2-core CPU, about a
     decode step of the embedded model.)
     """
     scaled = logits / temperature.unsqueeze(1)
