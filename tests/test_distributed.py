@@ -85,7 +85,8 @@ def test_shards_cover_every_head_and_unit_once():
 def test_tp2_speculative_decoding_equals_tp2_ar(head_pair, draft_pair):
     """Deterministic mode, batch 1 and 4: SD with a draft model, SD with an EAGLE-3 head (its
     features come from rank 0's residual stream, complete after each all-reduce), SSD with the
-    head, and SSD with a draft model on a third rank all give TP = 2 AR's tokens."""
+    head, and SSD with a draft model on a third rank all give TP = 2 AR's tokens. At fixed k the drafts
+    are accepted; k auto measures its costs over both ranks and may then choose plain decoding."""
     prompts = [PROMPT, [2, 4], [6, 1, 1, 0, 3], [5]]
     target = head_pair["target"]
     assert draft_pair["target"].endswith("target")  # the same tiny target (seed 11) in both pairs
@@ -100,7 +101,11 @@ def test_tp2_speculative_decoding_equals_tp2_ar(head_pair, draft_pair):
             for batch in ([prompts[0]], prompts):
                 outs = llm.generate(batch, GREEDY)
                 assert [o.token_ids for o in outs] == expected[: len(batch)], options
-            assert sum(o.metrics["draft_tokens_accepted"] for o in outs) > 0, options
+            if "k" in options:
+                assert sum(o.metrics["draft_tokens_accepted"] for o in outs) > 0, options
+            else:  # k auto may choose plain decoding: on this tiny target a draft step costs what a target step does
+                costs = llm.engine.step_strategy.auto_k.costs
+                assert len(costs.verify_s) == 9 and all(t > 0 for t in costs.verify_s), costs
             assert llm.health().degraded is None, options
 
 
