@@ -90,7 +90,7 @@ marks.append(("import torch", t()))
 from specfork.llm import LLM
 from specfork.sampling_params import SamplingParams
 marks.append(("import specfork", t()))
-from specfork.layers.cpu_kernels import kernels
+from specfork.native_kernels import kernels
 kernels()
 marks.append(("native kernels (import the built library)", t()))
 from specfork.loading.resolve import resolve_checkpoint

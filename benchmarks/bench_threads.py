@@ -21,7 +21,7 @@ import torch
 from specfork import LLM
 from specfork.bench.forward import prefilled
 from specfork.bench.timing import median, timed
-from specfork.layers.cpu_kernels import instruction_set
+from specfork.native_kernels import instruction_set
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from specfork.layers.activation import silu_and_mul
-from specfork.layers.cpu_kernels import kernels as native_kernels
+from specfork.native_kernels import kernels as native_kernels
 
 pytestmark = pytest.mark.skipif(native_kernels() is None, reason="native kernels need a C++ compiler")
 

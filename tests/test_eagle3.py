@@ -128,7 +128,7 @@ def test_the_proposer_drafts_from_the_targets_features(tiny_target, tmp_path):
 
 
 def test_the_int4_head_runs_one_call_and_the_fused_layer_bit_for_bit_like_its_modules(tiny_target, tmp_path):
-    from specfork.layers.cpu_kernels import kernels
+    from specfork.native_kernels import kernels
 
     if kernels() is None:
         pytest.skip("native kernels not built")
@@ -159,8 +159,8 @@ def test_a_head_for_another_target_is_refused(tiny_target, tiny_checkpoints, tmp
     for mode in ("sd", "ssd"):  # SSD refuses it before its drafter process starts loading
         with pytest.raises(SpecforkError, match="target layers"):
             LLM(str(other), mode=mode, draft=str(tmp_path / "head"))
-    from specfork.layers.cpu_kernels import kernels
     from specfork.layers.quantized import QuantizedLinear
+    from specfork.native_kernels import kernels
 
     head = LLM(str(tiny_target), mode="sd", draft=str(tmp_path / "head")).engine.step_strategy.proposer.head
     if kernels() is not None:  # native weights: the head's projections run the int4 kernel
@@ -293,7 +293,7 @@ def test_a_head_joining_late_stops_quietly_and_a_gap_is_a_warning(caplog):
 def test_a_native_forward_refuses_positions_other_than_its_metadatas(tiny_target, tmp_path):
     """The one-call path rotates at the attention metadata's positions; a caller passing other
     positions gets an error, not a silently different rotation."""
-    from specfork.layers.cpu_kernels import kernels
+    from specfork.native_kernels import kernels
 
     if kernels() is None:
         pytest.skip("native kernels not built")

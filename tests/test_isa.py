@@ -11,9 +11,9 @@ import pytest
 import torch
 from test_quantized import _gguf_weight
 
-from specfork.layers.cpu_kernels import kernels as native_kernels
 from specfork.layers.linear import make_linear
 from specfork.layers.quantized import QuantizedLinear, from_gguf_blocks, quantize_int4
+from specfork.native_kernels import kernels as native_kernels
 
 pytestmark = pytest.mark.skipif(native_kernels() is None, reason="native kernels need a C++ compiler")
 

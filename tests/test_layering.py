@@ -22,6 +22,9 @@ FORBIDDEN = {
     "config": ("speculative", "engine", "models", "layers", "serve", "bench", "training", "cli", "llm"),
     "options": ("speculative", "engine", "models", "layers", "serve", "bench", "training", "cli", "llm"),
     "fanout": ("speculative", "engine", "models", "layers", "serve", "bench", "training", "cli", "llm"),
+    # the compiled kernels' loader: layers and sampling both call into it
+    "native_kernels": ("sampling", "speculative", "engine", "models", "layers", "loading", "serve", "bench", "training",
+                       "cli", "llm"),
     "sampling": ("speculative", "engine", "models", "layers", "serve", "bench", "training", "cli", "llm"),
     "datasets": ("speculative", "engine", "models", "layers", "serve", "bench", "training", "cli", "llm"),
     "training": ("bench", "serve", "cli"),  # prompt sets come from specfork.datasets, shared with bench

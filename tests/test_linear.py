@@ -4,8 +4,8 @@ float64 reference, and the native kernel computes every row independently of the
 import pytest
 import torch
 
-from specfork.layers.cpu_kernels import kernels as native_kernels
 from specfork.layers.linear import DenseLinear, set_batch_invariant
+from specfork.native_kernels import kernels as native_kernels
 
 
 def _reference(x, w, b):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specfork.layers.cpu_kernels import kernels
+from specfork.native_kernels import kernels
 
 needs_kernel = pytest.mark.skipif(kernels() is None, reason="native kernels need a C++ compiler")
 

@@ -17,10 +17,10 @@ from helpers import assert_greedy_match, prefill_logits
 
 from specfork import LLM, SamplingParams
 from specfork.layers.attention import read_kv
-from specfork.layers.cpu_kernels import kernels as native_kernels
 from specfork.layers.linear import DenseLinear, make_linear
 from specfork.layers.quantized import QuantizedLinear, QuantizedWeight, from_gguf_blocks, quantize_int4
 from specfork.loading.gguf_export import export_gguf
+from specfork.native_kernels import kernels as native_kernels
 
 needs_kernel = pytest.mark.skipif(native_kernels() is None, reason="native kernels need a C++ compiler")
 

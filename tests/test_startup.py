@@ -259,9 +259,9 @@ def test_first_contact_commands(embedded):
     assert lines[1].startswith("  default draft\tsmollm2-135m-eagle3\t")
     assert lines[2].startswith("  draft\tsmollm2-135m-draft\t") and lines[2].endswith(".gguf")
     assert lines[3].startswith("  lookup corpus\tsmollm2-135m-corpus\t") and lines[3].endswith(".npz")
-    from specfork.layers import cpu_kernels
+    from specfork import native_kernels
 
-    if cpu_kernels.kernels() is not None:  # built by install.sh: a second build is instant
+    if native_kernels.kernels() is not None:  # built by install.sh: a second build is instant
         r = _cli("build-kernels")
         assert r.returncode == 0 and "already built" in r.stdout
     r = _cli("generate", "--max-tokens", "2")

@@ -20,7 +20,7 @@ def machine_info() -> dict:
     except OSError:
         pass
     commit = _source_commit()
-    from specfork.layers.cpu_kernels import instruction_set
+    from specfork.native_kernels import instruction_set
 
     return {
         "cpu": cpu,
@@ -53,7 +53,7 @@ def _source_commit() -> str:
 def native_kernels_or_exit():
     """The native kernel module, for scripts that time it; exits with a plain message where it
     cannot be built (no compiler)."""
-    from specfork.layers.cpu_kernels import kernels
+    from specfork.native_kernels import kernels
 
     k = kernels()
     if k is None:

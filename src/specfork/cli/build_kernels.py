@@ -19,23 +19,23 @@ DESCRIPTION = (
 def run(args: argparse.Namespace) -> int:
     import threading
 
-    from specfork.layers import cpu_kernels
+    from specfork import native_kernels
 
-    library = cpu_kernels.library_path()
+    library = native_kernels.library_path()
     if library.exists():
         print(f"native CPU kernels: already built for this torch and these sources ({library.parent})")
-        return 0 if cpu_kernels.kernels() is not None else 1
-    total = len(cpu_kernels.SOURCES)
+        return 0 if native_kernels.kernels() is not None else 1
+    total = len(native_kernels.SOURCES)
     print(f"compiling the native CPU kernels: {total} C++ sources, about 2 minutes on 2 cores, once "
           f"(cached in {library.parent})", flush=True)
     start = time.perf_counter()
     result: list = []
-    worker = threading.Thread(target=lambda: result.append(cpu_kernels.kernels()), daemon=True)
+    worker = threading.Thread(target=lambda: result.append(native_kernels.kernels()), daemon=True)
     worker.start()
     shown = -1
     while worker.is_alive():
         worker.join(timeout=15.0)
-        done = cpu_kernels.compiled_sources(library.parent)
+        done = native_kernels.compiled_sources(library.parent)
         if worker.is_alive() and (done != shown or int(time.perf_counter() - start) % 60 < 15):
             print(f"  {done}/{total} sources compiled, {time.perf_counter() - start:.0f} s", flush=True)
             shown = done

@@ -17,8 +17,8 @@ from specfork.engine.scheduler import Scheduler
 from specfork.engine.sequence import Sequence
 from specfork.engine.step import AutoregressiveStep, NewTokens, Step, StepHealth
 from specfork.errors import EngineFailure, PromptError, SpecforkError
-from specfork.layers.cpu_kernels import instruction_set
 from specfork.loading import LoadedModel, load_model
+from specfork.native_kernels import instruction_set
 from specfork.outputs import RequestOutput, TokenLogprob
 from specfork.sampling_params import SamplingParams
 

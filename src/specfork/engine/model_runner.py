@@ -10,10 +10,10 @@ from specfork.engine.scheduler import ScheduledBatch
 from specfork.engine.step_graphs import StepGraphs
 from specfork.errors import EngineFailure
 from specfork.layers.attention import AttentionMetadata, new_kv_cache
-from specfork.layers.cpu_kernels import kernels as native_kernels
 from specfork.layers.linear import set_batch_invariant
 from specfork.layers.quantized import QuantizedLinear
 from specfork.models.llama import LlamaForCausalLM
+from specfork.native_kernels import kernels as native_kernels
 
 NATIVE_PARTIAL_BYTES = 64 << 20  # most per-chunk partial results one native attention call keeps
 

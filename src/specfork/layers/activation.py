@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specfork.layers.cpu_kernels import kernels as native_kernels
+from specfork.native_kernels import kernels as native_kernels
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

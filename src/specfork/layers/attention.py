@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specfork.layers.cpu_kernels import kernels as native_kernels
+from specfork.native_kernels import kernels as native_kernels
 
 
 @dataclass(slots=True)

@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 
 from specfork.layers.attention import AttentionMetadata
-from specfork.layers.cpu_kernels import kernels as native_kernels
 from specfork.layers.norm import RMSNorm
 from specfork.layers.quantized import QuantizedLinear
 from specfork.layers.rotary import RopeTables
+from specfork.native_kernels import kernels as native_kernels
 
 
 def _rope_tables(rope: RopeTables, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

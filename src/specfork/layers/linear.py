@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specfork.layers.cpu_kernels import kernels as native_kernels
 from specfork.layers.quantized import QuantizedWeight, quantized_linear
+from specfork.native_kernels import kernels as native_kernels
 
 # Without the native kernel, BLAS picks another kernel (and summation order) for very few rows;
 # batch-invariant mode pads to at least this many rows so every row is computed the same way.

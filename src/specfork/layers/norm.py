@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specfork.layers.cpu_kernels import kernels as native_kernels
+from specfork.native_kernels import kernels as native_kernels
 
 
 class RMSNorm(nn.Module):

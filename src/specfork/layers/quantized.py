@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from specfork.layers.cpu_kernels import kernels as native_kernels
+from specfork.native_kernels import kernels as native_kernels
 
 Q4, Q8 = 4, 8
 INPUT_BITS = (16, 8)  # how finely the native kernel rounds activations (csrc/quant_gemm.cpp)
