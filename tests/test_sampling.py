@@ -6,7 +6,18 @@ import pytest
 import torch
 
 from specfork import SamplingParams, SpecforkError
-from specfork.sampling import DRAW_BLOCK, _first_above, greedy_tokens, logits_to_probs, sample_from_probs
+from specfork.native_kernels import kernels as native_kernels
+from specfork.sampling import (
+    DRAW_BLOCK,
+    _first_above,
+    greedy_tokens,
+    logits_to_probs,
+    sample,
+    sample_from_probs,
+    sample_tokens,
+)
+
+needs_kernel = pytest.mark.skipif(native_kernels() is None, reason="native kernels need a C++ compiler")
 
 
 def _probs(logits, temperature=1.0, top_k=0, top_p=1.0):
@@ -228,6 +239,41 @@ def test_same_generator_seed_same_samples():
     a = sample_from_probs(probs, [torch.Generator().manual_seed(s) for s in (1, 2, 3, 4)])
     b = sample_from_probs(probs, [torch.Generator().manual_seed(s) for s in (1, 2, 3, 4)])
     assert a.tolist() == b.tolist()
+
+
+@needs_kernel
+def test_the_native_draw_is_the_pytorch_draw_with_the_same_uniforms():
+    """Temperature-only rows go through the fused kernel; the others through ``sample``. With the
+    same generators every token is the PyTorch path's (a vocabulary no multiple of DRAW_BLOCK,
+    peaked and flat rows, greedy, top-k and top-p rows in the same batch)."""
+    torch.manual_seed(0)
+    vocab, n = 3 * DRAW_BLOCK + 45, 300
+    logits = torch.randn(n, vocab) * torch.linspace(0.2, 12.0, n).unsqueeze(1)
+    kinds = [dict(temperature=0.6), dict(temperature=1.0), dict(temperature=1.7), dict(temperature=0.0),
+             dict(temperature=1.0, top_k=50), dict(temperature=0.8, top_p=0.9)]
+    params = [SamplingParams(**kinds[i % len(kinds)]) for i in range(n)]
+    expected = sample(logits, params, [torch.Generator().manual_seed(i) for i in range(n)]).tokens
+    got = sample_tokens(logits, params, [torch.Generator().manual_seed(i) for i in range(n)])
+    assert got == expected
+    assert len(set(got)) > 100  # real draws, not a constant
+
+
+@needs_kernel
+@pytest.mark.parametrize("temperature", [1.0, 1.5])
+def test_the_native_draw_matches_the_distribution_chi_square(temperature):
+    """softmax(LOGITS / T) by chi-square over 40000 draws, and a wrong temperature fails it."""
+    n = 40000
+    tokens = native_kernels().sample_temperature_rows(LOGITS.expand(n, 8).contiguous(), torch.full((n,), temperature),
+                                                      torch.rand(n, dtype=torch.float64,
+                                                                 generator=torch.Generator().manual_seed(5)))
+    counts = torch.bincount(tokens, minlength=8).float()
+
+    def chi2(t):
+        expected = torch.softmax(LOGITS.double() / t, -1) * n
+        return (((counts.double() - expected) ** 2) / expected).sum().item()
+
+    assert chi2(temperature) < 24.3  # 99.9% quantile of chi-square with 7 dof
+    assert chi2(temperature * 1.2) > 24.3
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
 STALE_LOCK_S = 600.0  # a build takes a few minutes; an older lock was left by a killed build
 MODULE_NAME = "specfork_kernels"
 SOURCES = ("small_m_gemm.cpp", "quant_gemm.cpp", "rms_norm.cpp", "activation.cpp", "paged_attention.cpp",
-           "decoder_layer.cpp", "bindings.cpp")
+           "decoder_layer.cpp", "sampling.cpp", "bindings.cpp")
 
 
 def keyed_directory() -> Path:

@@ -87,3 +87,8 @@ std::vector<torch::Tensor> eagle3_head_decode(
     const torch::Tensor& pos_of, const torch::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads,
     double eps, double scale, const std::vector<torch::Tensor>& head_weights, const std::vector<int64_t>& head_format,
     const std::vector<int64_t>& logit_rows);
+
+// sampling.cpp: one token per row drawn from softmax(logits / temperature) with the row's uniform
+// (sampling.py's sample_from_probs over its filtered probabilities, fused; temperature-only rows).
+torch::Tensor sample_temperature_rows(const torch::Tensor& logits, const torch::Tensor& temperature,
+                                      const torch::Tensor& uniforms);
