@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from specfork import LLM, SamplingParams, SpecforkError
@@ -33,11 +35,15 @@ def test_observed_acceptance_moves_the_choice():
         auto.end_round([k], modelled_round_s(costs, k))
     assert auto.alpha < 0.1 and auto.current.k == 0
     assert "k=0" in auto.explain() and "without speculation" in auto.explain()
+    assert auto.summary().startswith("k=0 (acceptance per token 0.0")
     for _ in range(256):  # now everything is accepted
         k = auto.ks_for_round()[0]
         auto.observe(k, k)
         auto.end_round([k], modelled_round_s(costs, k))
     assert auto.alpha > 0.6 and auto.current.k > 0
+    # the one phrase `specfork generate` prints: the choice and its expected gain, not the step costs
+    expected, plain = (float(x) for x in re.search(r"(\d+) tok/s expected against (\d+) without", auto.summary()).groups())
+    assert auto.summary().startswith(f"k={auto.current.k} ") and expected > plain and "ms" not in auto.summary()
 
 
 def test_plain_decoding_does_not_drift_back_to_speculating_without_evidence():

@@ -256,6 +256,8 @@ def test_the_native_draw_is_the_pytorch_draw_with_the_same_uniforms():
     got = sample_tokens(logits, params, [torch.Generator().manual_seed(i) for i in range(n)])
     assert got == expected
     assert len(set(got)) > 100  # real draws, not a constant
+    alone = [sample_tokens(logits[i : i + 1], [params[i]], [torch.Generator().manual_seed(i)])[0] for i in range(0, n, 7)]
+    assert alone == got[::7]  # a row's path, and so its draw, depends on its own settings only
 
 
 @needs_kernel

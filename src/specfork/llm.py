@@ -87,9 +87,10 @@ class LLM:
 
     @property
     def auto_k_choice(self) -> str | None:
-        """With ``k="auto"``: the k chosen and why (step costs, acceptance); None otherwise."""
+        """With ``k="auto"``: the k chosen, the acceptance and the expected gain, in one phrase
+        (the measured step costs behind it are logged at INFO); None otherwise."""
         auto_k = getattr(self.engine.step_strategy, "auto_k", None)
-        return auto_k.explain() if auto_k is not None else None
+        return auto_k.summary() if auto_k is not None else None
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of ``prompt`` (text, tokenized as the tokenizer says, or ids, checked)."""

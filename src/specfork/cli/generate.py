@@ -162,4 +162,4 @@ def _generate_one(llm, params: SamplingParams, args: argparse.Namespace) -> int:
 
 def _print_auto_k(llm) -> None:
     if llm.auto_k_choice is not None:
-        print(f"k auto chose {llm.auto_k_choice}", file=sys.stderr)
+        print(f"k auto chose {llm.auto_k_choice}; --log-level info shows the measured step costs", file=sys.stderr)

@@ -276,7 +276,16 @@ class AutoK:
         self.current = best
 
     def explain(self) -> str:
+        """The current choice with everything it rests on (the start-up and change logs)."""
         return self._why(self.current)
+
+    def summary(self) -> str:
+        """The current choice in one phrase: k, the acceptance and the expected gain."""
+        chosen = self.current
+        ar = plan(self.costs, self.alpha, 0, lambda k: self.overhead(k, chosen.batch), chosen.batch)[0]
+        batch = f" at batch {chosen.batch}" if chosen.batch > 1 else ""
+        return (f"k={chosen.k}{batch} (acceptance per token {chosen.alpha:.2f}: {chosen.tokens_per_s:.0f} tok/s "
+                f"expected against {ar.tokens_per_s:.0f} without speculation)")
 
     def _why(self, chosen: Plan) -> str:
         ar = plan(self.costs, self.alpha, 0, lambda k: self.overhead(k, chosen.batch), chosen.batch)[0]
