@@ -9,6 +9,7 @@ from specfork import SamplingParams, SpecforkError
 from specfork.native_kernels import kernels as native_kernels
 from specfork.sampling import (
     DRAW_BLOCK,
+    _draw_blocks,
     _first_above,
     greedy_tokens,
     logits_to_probs,
@@ -258,6 +259,26 @@ def test_the_native_draw_is_the_pytorch_draw_with_the_same_uniforms():
     assert len(set(got)) > 100  # real draws, not a constant
     alone = [sample_tokens(logits[i : i + 1], [params[i]], [torch.Generator().manual_seed(i)])[0] for i in range(0, n, 7)]
     assert alone == got[::7]  # a row's path, and so its draw, depends on its own settings only
+
+
+@needs_kernel
+def test_the_native_weight_draw_is_the_pytorch_draw_with_the_same_uniforms():
+    """sample_from_probs's kernel against its PyTorch form: filtered rows with whole blocks of zero
+    weight, unnormalised rows, a one-token row, a vocabulary no multiple of DRAW_BLOCK; uniforms
+    at 0 and just below 1 included. A token of weight 0 is never drawn."""
+    torch.manual_seed(1)
+    vocab, n = 5 * DRAW_BLOCK + 3, 400
+    weights = torch.rand(n, vocab) ** 8 * torch.rand(n, 1) * 5
+    weights[::3, DRAW_BLOCK : 3 * DRAW_BLOCK] = 0.0  # empty blocks
+    weights[1::4] = weights[1::4] * (weights[1::4] > weights[1::4].quantile(0.99, dim=1, keepdim=True))  # a nucleus
+    weights[5] = 0.0
+    weights[5, vocab - 1] = 2.0  # one token, in the last (short) block
+    uniforms = torch.rand(n, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    uniforms[0], uniforms[1] = 0.0, 1.0 - 2**-53
+    got = native_kernels().sample_weight_rows(weights, uniforms)
+    assert got.tolist() == _draw_blocks(weights, uniforms).tolist()
+    assert bool((weights.gather(1, got.unsqueeze(1)) > 0).all()) and got[5] == vocab - 1
+    assert len(set(got.tolist())) > 200
 
 
 @needs_kernel

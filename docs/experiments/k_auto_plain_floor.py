@@ -27,9 +27,12 @@ def main(temperature: float, batch: int, num_prompts: int, repeats: int) -> None
         engines["auto"].engine.step_strategy.auto_k.rounds_by_k.clear()  # this dataset's rounds only
         seconds = dict.fromkeys(engines, 0.0)
         tokens = dict.fromkeys(engines, 0)
-        for _ in range(repeats):
-            for group in groups:
-                for name, llm in engines.items():
+        names = list(engines)
+        for r in range(repeats):
+            for g, group in enumerate(groups):
+                shift = (r + g) % len(names)  # each engine takes each place in the order in turn
+                for name in names[shift:] + names[:shift]:
+                    llm = engines[name]
                     t = time.perf_counter()
                     outs = llm.generate(group, params)
                     seconds[name] += time.perf_counter() - t

@@ -118,13 +118,25 @@ def sample_from_probs(probs: torch.Tensor, generators: Sequence[torch.Generator]
 
     One uniform a row. (An exponential race, argmax p / E, drew 49152 exponentials a row: ~1 ms on
     a 2-core CPU, a fifth of a decode step. A float64 cumulative sum over the whole row took 2 ms
-    for 8 rows, mostly writing the 3 MB it needs; the blocks take 0.36 ms.)"""
+    for 8 rows, mostly writing the 3 MB it needs; the blocks take 0.36 ms.)
+
+    CPU float32 rows go through the native kernel when it is built (``csrc/sampling.cpp``: the same
+    blocks, sums and search in one pass per row, where this function's PyTorch form, ``_draw_blocks``,
+    runs a dozen small ops)."""
+    kernels = _cpu_kernels(probs)
+    if kernels is not None:
+        return kernels.sample_weight_rows(probs.contiguous(), _uniforms(generators, probs.device))
+    return _draw_blocks(probs, _uniforms(generators, probs.device))
+
+
+def _draw_blocks(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """``sample_from_probs`` in PyTorch ops, with one uniform per row given."""
     n, vocab = probs.shape
     pad = (-vocab) % DRAW_BLOCK
     blocks = (torch.nn.functional.pad(probs, (0, pad)) if pad else probs).reshape(n, -1, DRAW_BLOCK)
     by_block = blocks.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)  # [N, blocks]
     total = by_block[:, -1:]
-    point = _uniforms(generators, probs.device).unsqueeze(1) * total
+    point = uniforms.unsqueeze(1) * total
     block = _first_above(by_block, point)
     before = torch.where(block > 0, by_block.gather(1, (block - 1).clamp(min=0)), torch.zeros_like(point))
     within = blocks[torch.arange(n, device=probs.device), block.squeeze(1)].to(torch.float64).cumsum(dim=-1)

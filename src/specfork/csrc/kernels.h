@@ -92,3 +92,6 @@ std::vector<torch::Tensor> eagle3_head_decode(
 // (sampling.py's sample_from_probs over its filtered probabilities, fused; temperature-only rows).
 torch::Tensor sample_temperature_rows(const torch::Tensor& logits, const torch::Tensor& temperature,
                                       const torch::Tensor& uniforms);
+// sampling.py's sample_from_probs: one token per row of [N, V] float32 weights (a row need not sum to
+// 1) with the row's uniform.
+torch::Tensor sample_weight_rows(const torch::Tensor& weights, const torch::Tensor& uniforms);

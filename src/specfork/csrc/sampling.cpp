@@ -6,6 +6,8 @@
 // within it. The PyTorch path writes the scaled logits, the probabilities and the block sums as whole
 // tensors, each a pass over the vocabulary from memory after a forward has evicted the caches; here a
 // row is read twice (its maximum, then its weights) and only one block is written.
+// sample_weight_rows is sample_from_probs itself, on weights the caller filtered (top-k, top-p, SD's
+// residual max(0, p - q), SSD's reshaped distributions): one pass per row instead of a dozen ops.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -57,6 +59,21 @@ inline float row_max(const float* x, int64_t n) {
   return top;
 }
 
+// The token at ``point`` of a row whose cumulative block weights are by_block[0..blocks), given the
+// weights of the block it falls in (block_w, filled by ``fill(b, n, block_w)``).
+template <class Fill>
+int64_t pick(const std::vector<double>& by_block, int64_t blocks, int64_t vocab, double point, Fill fill,
+             float* block_w) {
+  const int64_t b = first_above(by_block.data(), blocks, point);
+  const double before = b > 0 ? by_block[b - 1] : 0.0;
+  const int64_t n = std::min(kDrawBlock, vocab - b * kDrawBlock);
+  const float* w = fill(b, n, block_w);
+  double within[kDrawBlock];
+  double c = 0.0;
+  for (int64_t j = 0; j < n; ++j) within[j] = c += static_cast<double>(w[j]);
+  return b * kDrawBlock + first_above(within, n, point - before);
+}
+
 int64_t draw_row(const float* x, int64_t vocab, float t, double u, std::vector<double>& by_block,
                  std::vector<float>& w) {
   float top = row_max(x, vocab);
@@ -69,15 +86,23 @@ int64_t draw_row(const float* x, int64_t vocab, float t, double u, std::vector<d
     running += block_sum(w.data(), n);
     by_block[b] = running;
   }
-  const double point = u * running;
-  const int64_t b = first_above(by_block.data(), blocks, point);
-  const double before = b > 0 ? by_block[b - 1] : 0.0;
-  const int64_t n = std::min(kDrawBlock, vocab - b * kDrawBlock);
-  block_weights(x + b * kDrawBlock, n, t, m, w.data());
-  std::vector<double> within(n);
-  double c = 0.0;
-  for (int64_t j = 0; j < n; ++j) within[j] = c += static_cast<double>(w[j]);
-  return b * kDrawBlock + first_above(within.data(), n, point - before);
+  const auto weights_of = [&](int64_t b, int64_t n, float* out) {
+    block_weights(x + b * kDrawBlock, n, t, m, out);
+    return static_cast<const float*>(out);
+  };
+  return pick(by_block, blocks, vocab, u * running, weights_of, w.data());
+}
+
+// sample_from_probs on given weights (no exponential): the same blocks, sums and search.
+int64_t draw_weights_row(const float* p, int64_t vocab, double u, std::vector<double>& by_block) {
+  const int64_t blocks = (vocab + kDrawBlock - 1) / kDrawBlock;
+  double running = 0.0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    running += block_sum(p + b * kDrawBlock, std::min(kDrawBlock, vocab - b * kDrawBlock));
+    by_block[b] = running;
+  }
+  const auto weights_of = [&](int64_t b, int64_t, float*) { return p + b * kDrawBlock; };
+  return pick(by_block, blocks, vocab, u * running, weights_of, nullptr);
 }
 
 }  // namespace
@@ -102,6 +127,25 @@ torch::Tensor sample_temperature_rows(const torch::Tensor& logits, const torch::
     std::vector<double> by_block((vocab + kDrawBlock - 1) / kDrawBlock);
     std::vector<float> w(kDrawBlock);
     for (int64_t r = r0; r < r1; ++r) out[r] = draw_row(x + r * vocab, vocab, t[r], u[r], by_block, w);
+  });
+  return tokens;
+}
+
+torch::Tensor sample_weight_rows(const torch::Tensor& weights, const torch::Tensor& uniforms) {
+  TORCH_CHECK(weights.dim() == 2 && weights.scalar_type() == torch::kFloat32 && weights.is_contiguous() &&
+                  weights.device().is_cpu(),
+              "sample_weight_rows: weights must be contiguous float32 [N, V] on the CPU");
+  const int64_t rows = weights.size(0), vocab = weights.size(1);
+  TORCH_CHECK(vocab > 0, "sample_weight_rows: an empty vocabulary");
+  TORCH_CHECK(uniforms.scalar_type() == torch::kFloat64 && uniforms.numel() == rows && uniforms.is_contiguous(),
+              "sample_weight_rows: one float64 uniform per row");
+  auto tokens = torch::empty({rows}, torch::kInt64);
+  const float* p = weights.data_ptr<float>();
+  const double* u = uniforms.data_ptr<double>();
+  int64_t* out = tokens.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<double> by_block((vocab + kDrawBlock - 1) / kDrawBlock);
+    for (int64_t r = r0; r < r1; ++r) out[r] = draw_weights_row(p + r * vocab, vocab, u[r], by_block);
   });
   return tokens;
 }
