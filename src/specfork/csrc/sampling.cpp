@@ -107,17 +107,26 @@ int64_t draw_weights_row(const float* p, int64_t vocab, double u, std::vector<do
 
 }  // namespace
 
+namespace {
+
+// The entry points' common checks: [N, V] contiguous float32 rows on the CPU (V > 0) and one float64
+// uniform per row.
+void check_rows(const char* fn, const torch::Tensor& rows, const torch::Tensor& uniforms) {
+  TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == torch::kFloat32 && rows.is_contiguous() && rows.device().is_cpu(),
+              fn, ": rows must be contiguous float32 [N, V] on the CPU");
+  TORCH_CHECK(rows.size(1) > 0, fn, ": an empty vocabulary");
+  TORCH_CHECK(uniforms.scalar_type() == torch::kFloat64 && uniforms.numel() == rows.size(0) && uniforms.is_contiguous(),
+              fn, ": one float64 uniform per row");
+}
+
+}  // namespace
+
 torch::Tensor sample_temperature_rows(const torch::Tensor& logits, const torch::Tensor& temperature,
                                       const torch::Tensor& uniforms) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.is_contiguous() &&
-                  logits.device().is_cpu(),
-              "sample_temperature_rows: logits must be contiguous float32 [N, V] on the CPU");
+  check_rows("sample_temperature_rows", logits, uniforms);
   const int64_t rows = logits.size(0), vocab = logits.size(1);
-  TORCH_CHECK(vocab > 0, "sample_temperature_rows: an empty vocabulary");
   TORCH_CHECK(temperature.scalar_type() == torch::kFloat32 && temperature.numel() == rows && temperature.is_contiguous(),
               "sample_temperature_rows: one float32 temperature per row");
-  TORCH_CHECK(uniforms.scalar_type() == torch::kFloat64 && uniforms.numel() == rows && uniforms.is_contiguous(),
-              "sample_temperature_rows: one float64 uniform per row");
   auto tokens = torch::empty({rows}, torch::kInt64);
   const float* x = logits.data_ptr<float>();
   const float* t = temperature.data_ptr<float>();
@@ -132,13 +141,8 @@ torch::Tensor sample_temperature_rows(const torch::Tensor& logits, const torch::
 }
 
 torch::Tensor sample_weight_rows(const torch::Tensor& weights, const torch::Tensor& uniforms) {
-  TORCH_CHECK(weights.dim() == 2 && weights.scalar_type() == torch::kFloat32 && weights.is_contiguous() &&
-                  weights.device().is_cpu(),
-              "sample_weight_rows: weights must be contiguous float32 [N, V] on the CPU");
+  check_rows("sample_weight_rows", weights, uniforms);
   const int64_t rows = weights.size(0), vocab = weights.size(1);
-  TORCH_CHECK(vocab > 0, "sample_weight_rows: an empty vocabulary");
-  TORCH_CHECK(uniforms.scalar_type() == torch::kFloat64 && uniforms.numel() == rows && uniforms.is_contiguous(),
-              "sample_weight_rows: one float64 uniform per row");
   auto tokens = torch::empty({rows}, torch::kInt64);
   const float* p = weights.data_ptr<float>();
   const double* u = uniforms.data_ptr<double>();
