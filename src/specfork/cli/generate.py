@@ -162,4 +162,5 @@ def _generate_one(llm, params: SamplingParams, args: argparse.Namespace) -> int:
 
 def _print_auto_k(llm) -> None:
     if llm.auto_k_choice is not None:
-        print(f"k auto chose {llm.auto_k_choice}; --log-level info shows the measured step costs", file=sys.stderr)
+        print(f"k auto chose {llm.auto_k_choice}; `specfork --log-level info generate ...` logs the measured "
+              "step costs behind it", file=sys.stderr)

@@ -282,13 +282,17 @@ class AutoK:
     def summary(self) -> str:
         """The current choice in one phrase: k, the acceptance and the expected gain."""
         chosen = self.current
-        ar = plan(self.costs, self.alpha, 0, lambda k: self.overhead(k, chosen.batch), chosen.batch)[0]
+        ar = self._plain(chosen.batch)
         batch = f" at batch {chosen.batch}" if chosen.batch > 1 else ""
         return (f"k={chosen.k}{batch} (acceptance per token {chosen.alpha:.2f}: {chosen.tokens_per_s:.0f} tok/s "
                 f"expected against {ar.tokens_per_s:.0f} without speculation)")
 
+    def _plain(self, batch: int) -> Plan:
+        """Plain decoding's plan at ``batch`` sequences (what a choice is measured against)."""
+        return plan(self.costs, self.alpha, 0, lambda k: self.overhead(k, batch), batch)[0]
+
     def _why(self, chosen: Plan) -> str:
-        ar = plan(self.costs, self.alpha, 0, lambda k: self.overhead(k, chosen.batch), chosen.batch)[0]
+        ar = self._plain(chosen.batch)
         verify = ", ".join(f"{t * 1000:.1f}" for t in self.costs.verify_s)
         batch = f" at batch {chosen.batch}" if chosen.batch > 1 else ""
         per_seq = " per sequence" if chosen.batch > 1 else ""
