@@ -283,8 +283,7 @@ class AutoK:
         """The current choice in one phrase: k, the acceptance and the expected gain."""
         chosen = self.current
         ar = self._plain(chosen.batch)
-        batch = f" at batch {chosen.batch}" if chosen.batch > 1 else ""
-        return (f"k={chosen.k}{batch} (acceptance per token {chosen.alpha:.2f}: {chosen.tokens_per_s:.0f} tok/s "
+        return (f"{_label(chosen)} (acceptance per token {chosen.alpha:.2f}: {chosen.tokens_per_s:.0f} tok/s "
                 f"expected against {ar.tokens_per_s:.0f} without speculation)")
 
     def _plain(self, batch: int) -> Plan:
@@ -294,13 +293,17 @@ class AutoK:
     def _why(self, chosen: Plan) -> str:
         ar = self._plain(chosen.batch)
         verify = ", ".join(f"{t * 1000:.1f}" for t in self.costs.verify_s)
-        batch = f" at batch {chosen.batch}" if chosen.batch > 1 else ""
         per_seq = " per sequence" if chosen.batch > 1 else ""
         return (
-            f"k={chosen.k}{batch}: acceptance per token a={chosen.alpha:.2f} (recent draft positions, weighted: "
+            f"{_label(chosen)}: acceptance per token a={chosen.alpha:.2f} (recent draft positions, weighted: "
             f"{self.trials:.0f}), "
             f"draft step {self.costs.draft_s * 1000:.2f} ms, target forward of 1..{len(self.costs.verify_s)} rows "
             f"[{verify}] ms, measured rounds {self.overhead(chosen.k, chosen.batch):.2f}x the model's -> "
             f"{chosen.expected_tokens:.2f} tokens{per_seq} per {chosen.round_s * 1000:.1f} ms round = "
             f"{chosen.tokens_per_s:.1f} tok/s expected vs {ar.tokens_per_s:.1f} tok/s without speculation"
         )
+
+
+def _label(chosen: Plan) -> str:
+    """How the explanation and the summary name a choice: "k=3", or "k=3 at batch 8" for a batch."""
+    return f"k={chosen.k}" + (f" at batch {chosen.batch}" if chosen.batch > 1 else "")
