@@ -123,10 +123,9 @@ def sample_from_probs(probs: torch.Tensor, generators: Sequence[torch.Generator]
     CPU float32 rows go through the native kernel when it is built (``csrc/sampling.cpp``: the same
     blocks, sums and search in one pass per row, where this function's PyTorch form, ``_draw_blocks``,
     runs a dozen small ops)."""
+    uniforms = _uniforms(generators, probs.device)
     kernels = _cpu_kernels(probs)
-    if kernels is not None:
-        return kernels.sample_weight_rows(probs.contiguous(), _uniforms(generators, probs.device))
-    return _draw_blocks(probs, _uniforms(generators, probs.device))
+    return _draw_blocks(probs, uniforms) if kernels is None else kernels.sample_weight_rows(probs.contiguous(), uniforms)
 
 
 def _draw_blocks(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
