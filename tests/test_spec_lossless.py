@@ -11,6 +11,7 @@ import torch
 from lossless import NUM_TOKENS, PROMPT, SETTINGS, VOCAB, check, exact_joint, tiny_model
 
 from specfork import LLM, SamplingParams
+from specfork.native_kernels import kernels as native_kernels
 from specfork.speculative import rejection, sd_step
 
 NUM_SAMPLES = 12000
@@ -40,11 +41,15 @@ def sample_sd(models, params_kw, *, k=3, n=NUM_SAMPLES, expect_rejections=True):
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
-def test_sd_output_distribution_is_the_target_distribution(models, setting):
+def test_sd_output_distribution_is_the_target_distribution(models, setting, monkeypatch):
     params_kw = SETTINGS[setting]
+    from_logits = []  # sequences verified by the native kernel (temperature-only requests, when it is built)
+    monkeypatch.setattr(sd_step, "verify_sampled_logits",
+                        lambda *a: from_logits.append(1) or rejection.verify_sampled_logits(*a))
     joint = exact_joint(models["hf_target"], SamplingParams(**params_kw), NUM_TOKENS)
     for name, (stat, dof, limit) in check(sample_sd(models, params_kw), joint).items():
         assert stat < limit, f"{setting} {name}: chi2 {stat:.1f} >= {limit:.1f} (dof {dof})"
+    assert bool(from_logits) == (setting == "temperature" and native_kernels() is not None)
 
 
 def _always_accept(target_probs, proposed, draft_probs, generator):
@@ -65,8 +70,11 @@ def _resample_from_target(target_probs, proposed, draft_probs, generator):
 
 @pytest.mark.parametrize("wrong_rule", [_always_accept, _resample_from_target])
 def test_wrong_acceptance_rules_fail_the_test(models, monkeypatch, wrong_rule):
-    """The chi-square check has the power to catch a broken verifier."""
+    """The chi-square check has the power to catch a broken verifier (on either path: this
+    temperature-only request is verified from its logits where the native kernel is built)."""
     monkeypatch.setattr(sd_step, "verify_sampled", wrong_rule)
+    monkeypatch.setattr(sd_step, "verify_sampled_logits", lambda logits, temperature, proposed, q, generator, kernels:
+                        wrong_rule(torch.softmax(logits / temperature, dim=-1), proposed, q, generator))
     params_kw = SETTINGS["temperature"]
     joint = exact_joint(models["hf_target"], SamplingParams(**params_kw), NUM_TOKENS)
     results = check(sample_sd(models, params_kw, expect_rejections=False), joint)
@@ -94,6 +102,33 @@ def test_verify_sampled_single_position_exact():
         counts[r.tokens[0]] += 1
     stat = sum((counts[t] - p[0, t].item() * n) ** 2 / (p[0, t].item() * n) for t in range(3))
     assert stat < 15.2
+
+
+@pytest.mark.skipif(native_kernels() is None, reason="native kernels need a C++ compiler")
+@pytest.mark.parametrize("one_hot", [False, True])
+def test_verification_from_logits_is_verify_sampled_with_the_same_uniforms(one_hot):
+    """The native verification of a temperature-only request takes the very decisions and draws
+    verify_sampled takes on the filtered probabilities, uniform for uniform: accepted prefixes of
+    every length, recovered tokens (from the residual, or p without a one-hot proposal) and bonus
+    tokens, over a vocabulary of several draw blocks."""
+    vocab, n, temperature = 1000, 4, 0.7
+    torch.manual_seed(0)
+    outcomes = Counter()
+    for trial in range(300):
+        logits = torch.randn(n + 1, vocab) * (2 + 4 * (trial % 3))  # peaked rows accept long prefixes
+        p = torch.softmax(logits / temperature, dim=-1)
+        if one_hot:  # deterministic proposals (n-gram lookup): the target's likeliest token, or another
+            q = None
+            proposed = torch.where(torch.rand(n) < 0.8, p[:n].argmax(dim=-1), torch.randint(vocab, (n,)))
+        else:  # drafts near the target
+            q = torch.softmax(logits[:n] / temperature + torch.randn(n, vocab) * (trial % 4) * 0.5, dim=-1)
+            proposed = torch.multinomial(q, 1, generator=torch.Generator().manual_seed(trial)).squeeze(1)
+        want = rejection.verify_sampled(p, proposed, q, torch.Generator().manual_seed(10_000 + trial))
+        got = rejection.verify_sampled_logits(logits, temperature, proposed, q, torch.Generator().manual_seed(10_000 + trial),
+                                              native_kernels())
+        assert (got.num_accepted, got.tokens) == (want.num_accepted, want.tokens), trial
+        outcomes[want.num_accepted] += 1
+    assert set(outcomes) == set(range(n + 1)), outcomes  # every prefix length, bonus included
 
 
 def test_exact_joint_sums_to_one(models):

@@ -123,8 +123,8 @@ def sample_from_probs(probs: torch.Tensor, generators: Sequence[torch.Generator]
     CPU float32 rows go through the native kernel when it is built (``csrc/sampling.cpp``: the same
     blocks, sums and search in one pass per row, where this function's PyTorch form, ``_draw_blocks``,
     runs a dozen small ops)."""
-    uniforms = _uniforms(generators, probs.device)
-    kernels = _cpu_kernels(probs)
+    uniforms = draw_uniforms(generators, probs.device)
+    kernels = native_sampler(probs)
     return _draw_blocks(probs, uniforms) if kernels is None else kernels.sample_weight_rows(probs.contiguous(), uniforms)
 
 
@@ -142,7 +142,7 @@ def _draw_blocks(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return (block * DRAW_BLOCK + _first_above(within, point - before)).squeeze(1)
 
 
-def _uniforms(generators: Sequence[torch.Generator], device: torch.device) -> torch.Tensor:
+def draw_uniforms(generators: Sequence[torch.Generator], device: torch.device) -> torch.Tensor:
     """[N] float64: one uniform draw from each row's generator."""
     return torch.cat([torch.rand(1, dtype=torch.float64, generator=gen, device=device) for gen in generators])
 
@@ -208,8 +208,8 @@ def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
 
     Which path a row takes depends on its own settings only, so a row draws alike alone and in any
     batch."""
-    fused = [i for i, p in enumerate(params) if not p.greedy and p.top_k == 0 and p.top_p >= 1.0]
-    kernels = _cpu_kernels(logits) if fused else None
+    fused = [i for i, p in enumerate(params) if temperature_only(p)]
+    kernels = native_sampler(logits) if fused else None
     if kernels is None:
         return sample(logits, params, generators).tokens
     in_kernel = set(fused)
@@ -223,16 +223,22 @@ def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
     selected = logits if len(fused) == len(params) else logits.index_select(0, torch.tensor(fused))
     temperature = torch.tensor([params[i].temperature for i in fused], dtype=torch.float32)
     drawn = kernels.sample_temperature_rows(selected.contiguous(), temperature,
-                                            _uniforms([generators[i] for i in fused], logits.device))
+                                            draw_uniforms([generators[i] for i in fused], logits.device))
     for i, token in zip(fused, drawn.tolist(), strict=True):
         tokens[i] = token
     return tokens
 
 
-def _cpu_kernels(logits: torch.Tensor):
-    """The compiled kernels for float32 logits on the CPU (None otherwise, or without them: the
+def temperature_only(params: SamplingParams) -> bool:
+    """A sampled request that asks for a temperature alone (no top-k, no top-p): its rows are drawn,
+    and SD verifies its proposals, straight from the logits by the native kernels when they apply."""
+    return not params.greedy and params.top_k == 0 and params.top_p >= 1.0
+
+
+def native_sampler(rows: torch.Tensor):
+    """The compiled kernels for float32 rows on the CPU (None otherwise, or without them: the
     PyTorch path)."""
-    if logits.device.type != "cpu" or logits.dtype != torch.float32:
+    if rows.device.type != "cpu" or rows.dtype != torch.float32:
         return None
     from specfork.native_kernels import kernels
 

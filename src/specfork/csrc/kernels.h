@@ -95,3 +95,8 @@ torch::Tensor sample_temperature_rows(const torch::Tensor& logits, const torch::
 // sampling.py's sample_from_probs: one token per row of [N, V] float32 weights (a row need not sum to
 // 1) with the row's uniform.
 torch::Tensor sample_weight_rows(const torch::Tensor& weights, const torch::Tensor& uniforms);
+// rejection.py's verify_sampled for one sequence of a temperature-only request, from the target's
+// logits [n + 1, V]: (accepted proposals m, the recovered or bonus token) as int64 [2].
+torch::Tensor verify_temperature_rows(const torch::Tensor& logits, double temperature, const torch::Tensor& proposed,
+                                      const torch::Tensor& draft_probs, const torch::Tensor& accept_uniforms,
+                                      double last_uniform);

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specfork.sampling import sample_from_probs
+from specfork.sampling import draw_uniforms, sample_from_probs
 
 
 @dataclass(slots=True)
@@ -72,3 +72,27 @@ def verify_sampled(
         residual = target_probs[n]
     last = int(sample_from_probs(residual.unsqueeze(0), [generator])[0])
     return VerifyResult(m, proposed[:m].tolist() + [last])
+
+
+def verify_sampled_logits(
+    target_logits: torch.Tensor,  # [n + 1, V] float32 on the CPU, unfiltered
+    temperature: float,
+    proposed: torch.Tensor,  # [n] int64 x_1..x_n
+    draft_probs: torch.Tensor | None,  # [n, V] q_1..q_n, or None: every proposal is one-hot
+    generator: torch.Generator,
+    kernels,
+) -> VerifyResult:
+    """``verify_sampled`` for a request that asks for a temperature alone, in the native kernel
+    (``csrc/sampling.cpp``'s verify_temperature_rows), from the target's logits: p(x) only for
+    the rows verification reaches, in one pass each, and one row written out, where it stops,
+    for the residual (a bonus token is drawn straight from the logits). The same uniforms are
+    consumed (n, then one for the last token), the same rule applied; the kernel's exponential is
+    within 2 ulp of PyTorch's, so a decision within rounding of its boundary may fall the other
+    way, and the distribution is the same."""
+    n = proposed.shape[0]
+    u = torch.rand(n, generator=generator)
+    last = draw_uniforms([generator], target_logits.device)
+    q = torch.empty(0) if draft_probs is None else draft_probs.contiguous()
+    m, token = kernels.verify_temperature_rows(target_logits.contiguous(), float(temperature), proposed.contiguous(),
+                                               q, u, float(last[0])).tolist()
+    return VerifyResult(m, proposed[:m].tolist() + [token])

@@ -13,10 +13,10 @@ from specfork.engine.model_runner import ModelRunner
 from specfork.engine.scheduler import ScheduledBatch
 from specfork.engine.sequence import Sequence
 from specfork.engine.step import NewTokens, StepHealth, sample_new_tokens
-from specfork.sampling import filtered_probs, greedy_tokens
+from specfork.sampling import filtered_probs, greedy_tokens, native_sampler, temperature_only
 from specfork.speculative.auto_k import AutoK
 from specfork.speculative.proposer import Proposal, Proposer
-from specfork.speculative.rejection import verify_greedy, verify_sampled
+from specfork.speculative.rejection import verify_greedy, verify_sampled, verify_sampled_logits
 
 
 @dataclass
@@ -183,14 +183,18 @@ class SpeculativeStep:
     def _verify(self, seqs: list[Sequence], proposal: Proposal, logits: torch.Tensor):
         spans = _spans([len(props) + 1 for props in proposal.tokens])  # (first logits row, rows) per sequence
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        # A temperature-only request is verified from its logits by the native kernel (when built);
+        # the others filter every verify position with their own settings first, as AR sampling does.
+        kernels = native_sampler(logits) if sampled else None
+        from_logits = {i for i in sampled if kernels is not None and temperature_only(seqs[i].params)}
+        filtered = [i for i in sampled if i not in from_logits]
         target_probs = {}
-        if sampled:
-            # Filter every verify position with its request's own settings, as AR sampling does.
-            idx = torch.cat([torch.arange(spans[i][0], sum(spans[i])) for i in sampled]).to(logits.device)
-            per_row = [seqs[i] for i in sampled for _ in range(spans[i][1])]
+        if filtered:
+            idx = torch.cat([torch.arange(spans[i][0], sum(spans[i])) for i in filtered]).to(logits.device)
+            per_row = [seqs[i] for i in filtered for _ in range(spans[i][1])]
             probs = filtered_probs(logits.index_select(0, idx), [s.params for s in per_row])
-            target_probs = dict(zip(sampled, probs.split([spans[i][1] for i in sampled]), strict=True))
-        argmax = greedy_tokens(logits)
+            target_probs = dict(zip(filtered, probs.split([spans[i][1] for i in filtered]), strict=True))
+        argmax = greedy_tokens(logits) if len(sampled) < len(seqs) else None
         results = []
         for i, (seq, props) in enumerate(zip(seqs, proposal.tokens, strict=True)):
             first, rows = spans[i]
@@ -199,7 +203,11 @@ class SpeculativeStep:
                 continue
             q = None if proposal.probs is None else proposal.probs[i, : len(props)]
             proposed = torch.tensor(props, dtype=torch.long, device=logits.device)
-            results.append(verify_sampled(target_probs[i], proposed, q, seq.generator))
+            if i in from_logits:
+                results.append(verify_sampled_logits(logits[first : first + rows], seq.params.temperature, proposed, q,
+                                                     seq.generator, kernels))
+            else:
+                results.append(verify_sampled(target_probs[i], proposed, q, seq.generator))
         return results, spans
 
 
