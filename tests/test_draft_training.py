@@ -132,6 +132,30 @@ def test_more_prompts_generate_only_the_new_responses(tiny_target, tmp_path):
     assert [e.id for e in more] == [p.id for p in training_prompts(12, seed=0, code_fraction=0.5)]
 
 
+def test_skipped_prompts_are_an_earlier_runs_and_are_not_answered(tiny_target, tmp_path):
+    """--skip-prompts N leaves out exactly the prompts a run with --num-prompts N had (the
+    selection grows by prefixes), so a run resumed from that run's head trains on new prompts
+    only; a skip outside [0, num_prompts) is refused."""
+    from dataclasses import replace
+
+    from specfork.errors import SpecforkError
+    from specfork.training import pipeline
+    from specfork.training.settings import DataSettings
+
+    job = _job(tiny_target, tmp_path)
+    llm = pipeline.target_llm(job)
+    asked = []
+    generate = llm.generate
+    llm.generate = lambda ids, params: asked.extend(ids) or generate(ids, params)
+    later = pipeline.generate_data(replace(job, data=replace(job.data, num_prompts=12, skip_prompts=8)), llm)
+    earlier = {p.id for p in training_prompts(8, seed=0, code_fraction=0.5)}
+    assert [e.id for e in later] == [p.id for p in training_prompts(12, seed=0, code_fraction=0.5) if p.id not in earlier]
+    assert len(later) == 4 and len(asked) == 4
+    for bad in (12, -1):
+        with pytest.raises(SpecforkError, match="skip_prompts"):
+            DataSettings(num_prompts=12, skip_prompts=bad)
+
+
 def test_interrupted_training_resumes_to_the_same_weights(tiny_target, tmp_path):
     job = _job(tiny_target, tmp_path, epochs=10.0)
     from specfork.training.pipeline import generate_data, target_llm

@@ -19,6 +19,9 @@ MAX_TTT_STEPS = 7
 @dataclass(frozen=True, slots=True)
 class DataSettings:
     num_prompts: int = option(1536, "training prompts", group=DATA)
+    skip_prompts: int = option(0, "leave out the first N of them (an earlier run's prompts, e.g. the shipped "
+                               "head's), so that a run resumed from that run's head (--init-head) answers and "
+                               "trains on new prompts only", group=DATA)
     code_fraction: float = option(0.5, "share of code-block prompts", group=DATA)
     max_new_tokens: int = option(256, "response length cap", group=DATA)
     max_prompt_tokens: int = option(384, "prompts keep their last N tokens", group=DATA)
@@ -28,6 +31,9 @@ class DataSettings:
     def __post_init__(self) -> None:
         if self.num_prompts < 1:
             raise SpecforkError(f"num_prompts must be >= 1, got {self.num_prompts}")
+        if not 0 <= self.skip_prompts < self.num_prompts:
+            raise SpecforkError(f"skip_prompts must be in [0, num_prompts), got {self.skip_prompts} "
+                                f"with num_prompts {self.num_prompts}")
         if not 0.0 <= self.code_fraction <= 1.0:
             raise SpecforkError(f"code_fraction must be in [0, 1], got {self.code_fraction}")
         if self.max_new_tokens < 1 or self.max_prompt_tokens < 1 or self.shard_size < 1:
