@@ -92,7 +92,7 @@ def verify_sampled_logits(
     n = proposed.shape[0]
     u = torch.rand(n, generator=generator)
     last = draw_uniforms([generator], target_logits.device)
-    q = torch.empty(0) if draft_probs is None else draft_probs.contiguous()
+    q = torch.empty(0) if draft_probs is None else draft_probs.float().contiguous()
     m, token = kernels.verify_temperature_rows(target_logits.contiguous(), float(temperature), proposed.contiguous(),
                                                q, u, float(last[0])).tolist()
     return VerifyResult(m, proposed[:m].tolist() + [token])
