@@ -148,9 +148,10 @@ def test_skipped_prompts_are_an_earlier_runs_and_are_not_answered(tiny_target, t
     generate = llm.generate
     llm.generate = lambda ids, params: asked.extend(ids) or generate(ids, params)
     later = pipeline.generate_data(replace(job, data=replace(job.data, num_prompts=12, skip_prompts=8)), llm)
-    earlier = {p.id for p in training_prompts(8, seed=0, code_fraction=0.5)}
-    assert [e.id for e in later] == [p.id for p in training_prompts(12, seed=0, code_fraction=0.5) if p.id not in earlier]
-    assert len(later) == 4 and len(asked) == 4
+    earlier = training_prompts(8, seed=0, code_fraction=0.5)
+    want = [p for p in training_prompts(12, seed=0, code_fraction=0.5) if p not in earlier]
+    assert [e.id for e in later] == [p.id for p in want] and len(want) == 4
+    assert len(asked) == 4
     for bad in (12, -1):
         with pytest.raises(SpecforkError, match="skip_prompts"):
             DataSettings(num_prompts=12, skip_prompts=bad)

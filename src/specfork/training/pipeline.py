@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from specfork.training.data import generate_examples, training_prompts
+from specfork.training.data import generate_examples, new_training_prompts, training_prompts
 from specfork.training.settings import TrainDraftJob
 from specfork.training.trainer import (
     DraftTrainer,
@@ -35,10 +35,9 @@ def generate_data(job: TrainDraftJob, llm) -> list:
     prompts = training_prompts(d.num_prompts, d.seed, d.code_fraction)
     if len(prompts) < d.num_prompts:
         logger.warning("only %d training prompts available (asked for %d)", len(prompts), d.num_prompts)
-    if d.skip_prompts:  # the first num_prompts include the first skip_prompts (the selection grows by prefixes)
-        earlier = {(p.dataset, p.id) for p in training_prompts(d.skip_prompts, d.seed, d.code_fraction)}
-        prompts = [p for p in prompts if (p.dataset, p.id) not in earlier]
-        logger.info("training on %d prompts: the first %d of %d are left out", len(prompts), d.skip_prompts,
+    if d.skip_prompts:
+        prompts = new_training_prompts(d.num_prompts, d.skip_prompts, d.seed, d.code_fraction)
+        logger.info("training on %d prompts: those of the first %d of %d are left out", len(prompts), d.skip_prompts,
                     d.num_prompts)
     return generate_examples(
         llm,
