@@ -94,16 +94,16 @@ def training_prompts(num_prompts: int, seed: int, code_fraction: float = 0.5) ->
     return mixed
 
 
-def new_training_prompts(num_prompts: int, skip_prompts: int, seed: int, code_fraction: float = 0.5) -> list[Prompt]:
-    """The prompts of ``training_prompts(num_prompts)`` that ``training_prompts(skip_prompts)`` does
-    not hold (an earlier run's), in their order. The selection grows by prefixes, so those are the
-    new ones; they are compared by content, since a prompt's id is not unique (a conversation id
-    repeats across its code blocks, and ShareGPT repeats conversations)."""
+def without_earlier(prompts: list[Prompt], skip_prompts: int, seed: int, code_fraction: float = 0.5) -> list[Prompt]:
+    """``prompts`` (a ``training_prompts`` selection) less those of ``training_prompts(skip_prompts)``
+    (an earlier run's), in their order. The selection grows by prefixes, so what remains is new;
+    prompts are compared by content, since a prompt's id is not unique (a conversation id repeats
+    across its code blocks, and ShareGPT repeats conversations)."""
     def key(p: Prompt) -> tuple:
         return p.dataset, p.id, p.text, repr(p.messages)
 
     earlier = {key(p) for p in training_prompts(skip_prompts, seed, code_fraction)}
-    return [p for p in training_prompts(num_prompts, seed, code_fraction) if key(p) not in earlier]
+    return [p for p in prompts if key(p) not in earlier]
 
 
 def shard_path(data_dir: Path, index: int) -> Path:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from specfork.training.data import generate_examples, new_training_prompts, training_prompts
+from specfork.training.data import generate_examples, training_prompts, without_earlier
 from specfork.training.settings import TrainDraftJob
 from specfork.training.trainer import (
     DraftTrainer,
@@ -36,7 +36,7 @@ def generate_data(job: TrainDraftJob, llm) -> list:
     if len(prompts) < d.num_prompts:
         logger.warning("only %d training prompts available (asked for %d)", len(prompts), d.num_prompts)
     if d.skip_prompts:
-        prompts = new_training_prompts(d.num_prompts, d.skip_prompts, d.seed, d.code_fraction)
+        prompts = without_earlier(prompts, d.skip_prompts, d.seed, d.code_fraction)
         logger.info("training on %d prompts: those of the first %d of %d are left out", len(prompts), d.skip_prompts,
                     d.num_prompts)
     return generate_examples(
