@@ -18,7 +18,13 @@ from helpers import assert_greedy_match, prefill_logits
 from specfork import LLM, SamplingParams
 from specfork.layers.attention import read_kv
 from specfork.layers.linear import DenseLinear, make_linear
-from specfork.layers.quantized import QuantizedLinear, QuantizedWeight, from_gguf_blocks, quantize_int4
+from specfork.layers.quantized import (
+    GGUF_FORMATS,
+    QuantizedLinear,
+    QuantizedWeight,
+    from_gguf_blocks,
+    quantize_int4,
+)
 from specfork.loading.gguf_export import export_gguf
 from specfork.native_kernels import kernels as native_kernels
 
@@ -97,11 +103,33 @@ def test_int4_quantization_at_load_runs_the_same_kernel(group):
     w = torch.randn(96, 256)
     q = quantize_int4(w, group)
     assert q.group == group and q.q.max() <= 15
+    # scales and minima are fp16 values, as GGUF's Q4_1 stores them and the kernel reads them
+    assert torch.equal(q.scale, q.scale.half().float()) and torch.equal(q.offset, q.offset.half().float())
     assert float((q.dequantize() - w).abs().max()) <= float((w.amax() - w.amin())) / 15  # within one step
     layer = make_linear(q)
     x = torch.randn(4, 256)
     error = (layer(x).double() - x.double() @ q.dequantize().double().t()).abs()
     assert bool((error <= _activation_rounding_bound(q, x) + 1e-5).all())
+
+
+@needs_kernel
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_a_pass_over_the_weight_reads_the_bytes_gguf_stores(type_name):
+    """The packed weight keeps GGUF's fp16 scales (and Q4_1's fp16 minima; Q4_0 and Q8_0 need no
+    offsets once centred), so a decode step streams 18 / 20 / 34 bytes per 32 weights, as the file."""
+    n, k = 576, 1536
+    raw, _ = _gguf_weight(type_name, n, k)
+    layer = make_linear(from_gguf_blocks(raw, type_name, (n, k)))
+    assert layer.weight_bytes == n * k // 32 * GGUF_FORMATS[type_name]
+
+
+@needs_kernel
+def test_packing_refuses_scales_that_are_not_fp16_values():
+    q = torch.zeros(32, 64, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="fp16 values"):
+        native_kernels().pack_quantized(q, torch.full((32, 2), 0.1), torch.zeros(32, 2), 4)  # 0.1: no fp16 value
+    with pytest.raises(RuntimeError, match="fp16 values"):
+        native_kernels().pack_quantized(q, torch.full((32, 2), 0.125), torch.full((32, 2), 1e-9), 4)
 
 
 def test_shapes_the_kernel_cannot_take_are_refused_or_run_dense():

@@ -17,8 +17,8 @@ namespace parts {
 // A weight packed by pack_quantized, its shapes checked once.
 struct QuantWeight {
   const uint8_t* units;
-  const float* scales;
-  const float* offsets;
+  const uint16_t* scales;   // fp16 bits
+  const uint16_t* offsets;  // fp16 bits; nullptr for none
   const float* bias;  // nullptr for none
   int64_t n_out, format, K, tiles, groups, group;
 };

@@ -26,7 +26,10 @@
 // f = 0..3 picks the field: Q4 packs the four fields as the four nibbles of each lane (32 bytes per
 // unit), Q8 as the low and high bytes of two 32-byte halves (64 bytes per unit). vpmaddwd of field f
 // with the broadcast pair (xq_k, xq_k+1) then yields the 8 partial sums of outputs 8f..8f+7. Scales
-// and offsets are fp32 [tiles, groups, 32]. For int8 activations a unit holds a quad of inputs
+// d and offsets o are fp16 [tiles, groups, 32], as GGUF stores them (2 + 2 bytes per 32 weights
+// where fp32 took 8: a decode step streams its weights, so 16% fewer bytes for Q4_1); the kernel
+// widens them and forms o' = o + c d in fp32 once per group, and a weight whose every o' is zero
+// (Q4_0, Q8_0) has no offsets at all. For int8 activations a unit holds a quad of inputs
 // (k .. k + 3): byte 4i + e is input k + e of output i (Q4: low nibble; high nibble: output 16 + i;
 // Q8: outputs 16..31 in a second 64 bytes), so a 512-bit register is 16 outputs x 4 inputs.
 //
@@ -114,8 +117,8 @@ struct Gemm {
   const float* xsum;
   int64_t M, K, groups, group;
   const uint8_t* units;
-  const float* scales;
-  const float* offsets;
+  const uint16_t* scales;   // fp16 bits
+  const uint16_t* offsets;  // fp16 bits; nullptr when every o' is zero
   float* y;
   int64_t n_out;
   const float* bias;
@@ -132,7 +135,7 @@ namespace qg_portable {
 #undef QG_ISA
 #if defined(__x86_64__)
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 #define QG_ISA 1
 namespace qg_avx2 {
 #include "quant_gemm_tiles.inc"
@@ -140,7 +143,7 @@ namespace qg_avx2 {
 #undef QG_ISA
 #pragma GCC pop_options
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl")
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl")
 #define QG_ISA 2
 namespace qg_avx512 {
 #include "quant_gemm_tiles.inc"
@@ -148,7 +151,7 @@ namespace qg_avx512 {
 #undef QG_ISA
 #pragma GCC pop_options
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
 #define QG_ISA 3
 namespace qg_avx512_vnni {
 #include "quant_gemm_tiles.inc"
@@ -168,7 +171,7 @@ bool isa_supported(int64_t isa) {
   __builtin_cpu_init();
   switch (isa) {
     case 0: return true;
-    case 1: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case 1: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     case 2: return isa_supported(1) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                    __builtin_cpu_supports("avx512vl");
     case 3: return isa_supported(2) && __builtin_cpu_supports("avx512vnni");
@@ -203,8 +206,9 @@ void run_isa(int64_t isa, const Gemm& a, int64_t t0, int64_t t1) {
 
 }  // namespace
 
-// q [N, K] quantised values (uint8 0..15 for Q4, int8 for Q8), scale/offset [N, K / G] fp32 for groups of G
-// inputs -> (units [tiles, K / 2, 32 or 64] uint8, scales [tiles, K / G, 32], offsets [tiles, K / G, 32]).
+// q [N, K] quantised values (uint8 0..15 for Q4, int8 for Q8), scale/offset [N, K / G] for groups of G
+// inputs, every value an fp16 one -> (units [tiles, K / 2, 32 or 64] uint8, scales [tiles, K / G, 32]
+// fp16, offsets [tiles, K / G, 32] fp16, or [0] when every o' = o + c d is zero).
 std::vector<torch::Tensor> pack_quantized(const torch::Tensor& q, const torch::Tensor& scale, const torch::Tensor& offset,
                                           int64_t format) {
   TORCH_CHECK(known_format(format), "pack_quantized: format must be 4 or 8, plus 16 for int8 inputs");
@@ -223,17 +227,22 @@ std::vector<torch::Tensor> pack_quantized(const torch::Tensor& q, const torch::T
   const auto qc = q.contiguous();
   const auto sc = scale.to(torch::kFloat32).contiguous();
   const auto oc = offset.to(torch::kFloat32).contiguous();
+  const auto sh = sc.to(torch::kHalf), oh = oc.to(torch::kHalf);
+  TORCH_CHECK(torch::equal(sh.to(torch::kFloat32), sc) && torch::equal(oh.to(torch::kFloat32), oc),
+              "pack_quantized: scales and offsets must be fp16 values (GGUF's are; quantize_int4 rounds to them)");
+  // o' = o + c d (c = 8 for Q4, 0 for Q8) in fp32, as the kernel forms it: no offsets when all are zero.
+  const bool offsets = !torch::equal(is_q4 ? oc + 8.0f * sc : oc, torch::zeros_like(oc));
   const uint8_t* qv = reinterpret_cast<const uint8_t*>(qc.data_ptr());  // Q4: 0..15, Q8: int8 bits
-  const float* sv = sc.data_ptr<float>();
-  const float* ov = oc.data_ptr<float>();
   const int64_t ub = quads ? (is_q4 ? unit_bytes<kQ4i8>() : unit_bytes<kQ8i8>())
                            : (is_q4 ? unit_bytes<kQ4>() : unit_bytes<kQ8>());
   auto units = torch::zeros({tiles, k / per_unit, ub}, torch::kUInt8);
-  auto s = torch::zeros({tiles, groups, kTile}, torch::kFloat32);
-  auto o = torch::zeros({tiles, groups, kTile}, torch::kFloat32);
+  auto s = torch::zeros({tiles, groups, kTile}, torch::kHalf);
+  auto o = offsets ? torch::zeros({tiles, groups, kTile}, torch::kHalf) : torch::zeros({0}, torch::kHalf);
   uint8_t* uv = units.data_ptr<uint8_t>();
-  float* sp = s.data_ptr<float>();
-  float* op = o.data_ptr<float>();
+  const at::Half* shv = sh.data_ptr<at::Half>();
+  const at::Half* ohv = oh.data_ptr<at::Half>();
+  at::Half* sp = s.data_ptr<at::Half>();
+  at::Half* op = offsets ? o.data_ptr<at::Half>() : nullptr;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       // Rows past n stay zero (scale, offset and values): padding outputs that are never read.
@@ -241,10 +250,8 @@ std::vector<torch::Tensor> pack_quantized(const torch::Tensor& q, const torch::T
       for (int64_t j = 0; j < rows; ++j) {
         const int64_t row = t * kTile + j;
         for (int64_t g = 0; g < groups; ++g) {
-          const float d = sv[row * groups + g];
-          sp[(t * groups + g) * kTile + j] = d;
-          op[(t * groups + g) * kTile + j] = is_q4 ? ov[row * groups + g] + 8.0f * d  // o' = o + 8d
-                                                   : ov[row * groups + g];
+          sp[(t * groups + g) * kTile + j] = shv[row * groups + g];
+          if (op) op[(t * groups + g) * kTile + j] = ohv[row * groups + g];
         }
       }
       // Value of output 8f + p (of this tile), input i; zero past the last row.
@@ -339,8 +346,8 @@ QuantWeight quant_weight(const torch::Tensor& units, const torch::Tensor& scales
               "quant_linear: packed weight is ", units.sizes());
   const int64_t K = units.size(1) * per_unit, tiles = units.size(0);
   TORCH_CHECK(scales.dim() == 3 && scales.is_contiguous() && offsets.is_contiguous() && scales.size(0) == tiles &&
-                  scales.size(2) == kTile && offsets.sizes() == scales.sizes() && K % scales.size(1) == 0 &&
-                  scales.scalar_type() == torch::kFloat32 && offsets.scalar_type() == torch::kFloat32,
+                  scales.size(2) == kTile && (offsets.numel() == 0 || offsets.sizes() == scales.sizes()) &&
+                  K % scales.size(1) == 0 && scales.scalar_type() == torch::kHalf && offsets.scalar_type() == torch::kHalf,
               "quant_linear: bad scales");
   TORCH_CHECK(n_out <= tiles * kTile, "quant_linear: n_out too large");
   const int64_t groups = scales.size(1), group = K / groups;
@@ -352,7 +359,8 @@ QuantWeight quant_weight(const torch::Tensor& units, const torch::Tensor& scales
                 "quant_linear: bad bias");
     bp = bias->data_ptr<float>();
   }
-  return {units.data_ptr<uint8_t>(), scales.data_ptr<float>(), offsets.data_ptr<float>(), bp, n_out, format, K,
+  const auto bits = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); };
+  return {units.data_ptr<uint8_t>(), bits(scales), offsets.numel() ? bits(offsets) : nullptr, bp, n_out, format, K,
           tiles, groups, group};
 }
 

@@ -31,8 +31,8 @@ MAX_GROUP = 128  # the native kernel's limit (csrc/quant_gemm.cpp, kMaxGroup)
 @dataclass
 class QuantizedWeight:
     q: torch.Tensor  # [N, K] uint8 (Q4: 0..15) or int8 (Q8)
-    scale: torch.Tensor  # [N, K / group] float32
-    offset: torch.Tensor  # [N, K / group] float32
+    scale: torch.Tensor  # [N, K / group] float32 holding fp16 values (GGUF's; quantize_int4 rounds to them)
+    offset: torch.Tensor  # [N, K / group] float32 holding fp16 values
     bits: int  # 4 or 8
     source: str  # "q4_0", "q4_1", "q8_0", "int4" (quantised at load)
     input_bits: int = 16  # the native kernel rounds each group of activations to int16, or int8 (INPUT_BITS)
@@ -44,11 +44,6 @@ class QuantizedWeight:
     @property
     def group(self) -> int:
         return self.q.shape[1] // self.scale.shape[1]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes one pass over the weight reads in the native layout."""
-        return self.q.numel() * self.bits // 8 + self.scale.numel() * 4 + self.offset.numel() * 4
 
     def dequantize(self) -> torch.Tensor:
         d = self.scale.repeat_interleave(self.group, dim=1)
@@ -122,13 +117,15 @@ def from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) ->
 
 
 def quantize_int4(weight: torch.Tensor, group: int) -> QuantizedWeight:
-    """Asymmetric 4-bit quantisation per group of inputs: q = round((w - min) / d), d = (max - min) / 15."""
+    """Asymmetric 4-bit quantisation per group of inputs: q = round((w - min) / d), d = (max - min) / 15,
+    with d and min rounded to fp16 first (as GGUF's Q4_1 stores them; the native kernel reads them so)."""
     n, k = weight.shape
     if k % group:
         raise ValueError(f"cannot quantise a weight with {k} inputs in groups of {group}")
     w = weight.detach().to(torch.float32).reshape(n, k // group, group)
     lo, hi = w.amin(-1), w.amax(-1)
-    d = (hi - lo) / 15.0
+    d = ((hi - lo) / 15.0).to(torch.float16).to(torch.float32)
+    lo = lo.to(torch.float16).to(torch.float32)
     safe = torch.where(d > 0, d, torch.ones_like(d))
     q = torch.clamp(torch.round((w - lo[..., None]) / safe[..., None]), 0, 15).to(torch.uint8).reshape(n, k)
     return QuantizedWeight(q, d.contiguous(), lo.contiguous(), Q4, "int4")
@@ -149,8 +146,8 @@ class QuantizedLinear(nn.Module):
         self.input_bits = weight.input_bits
         self.format = weight.bits | (INT8_INPUTS if weight.input_bits == 8 else 0)  # the kernel's format code
         self.out_features, self.in_features = weight.shape
-        self.weight_bytes = weight.nbytes
         values, scales, offsets = kernels.pack_quantized(weight.q, weight.scale, weight.offset, self.format)
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in (values, scales, offsets))  # one pass reads
         self.values = nn.Parameter(values, requires_grad=False)
         self.scales = nn.Parameter(scales, requires_grad=False)
         self.offsets = nn.Parameter(offsets, requires_grad=False)
