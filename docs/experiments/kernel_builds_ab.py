@@ -79,7 +79,7 @@ def main(revision: str, rows: int, repeats: int) -> None:
                 tokens[name] += len(out[0].token_ids)
                 outputs[name].append(out[0].token_ids)
         rates = [tokens[n] / seconds[n] for n in names]
-        same = sum(a == b for a, b in zip(*outputs.values()))
+        same = sum(a == b for a, b in zip(*outputs.values(), strict=True))
         print(f"AR {dataset}: {names[0]} {rates[0]:.1f} tok/s, work tree {rates[1]:.1f} tok/s "
               f"({rates[1] / rates[0]:.3f}x), same output {same}/{len(prompts)}")
 
