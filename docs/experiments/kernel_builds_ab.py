@@ -28,11 +28,12 @@ from specfork.datasets import encode, load_prompts
 def build(revision: str, work: Path):
     csrc = work / "csrc"
     csrc.mkdir()
-    for name in native.SOURCES + ("kernels.h", "forward_parts.h", "exp_approx.h", "quant_gemm_tiles.inc",
-                                  "paged_attention_items.inc"):
-        text = subprocess.run(["git", "show", f"{revision}:src/specfork/csrc/{name}"], capture_output=True, text=True)
-        if text.returncode == 0:
-            (csrc / name).write_text(text.stdout)
+    listed = subprocess.run(["git", "ls-tree", "--name-only", f"{revision}:src/specfork/csrc"], capture_output=True,
+                            text=True, check=True)
+    for name in listed.stdout.split():
+        text = subprocess.run(["git", "show", f"{revision}:src/specfork/csrc/{name}"], capture_output=True, text=True,
+                              check=True)
+        (csrc / name).write_text(text.stdout)
     return load(name="kernels_" + revision.replace("-", "_"), sources=[str(csrc / s) for s in native.SOURCES],
                 build_directory=str(work), extra_cflags=list(native.FLAGS), extra_ldflags=["-fopenmp"])
 

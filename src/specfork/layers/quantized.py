@@ -147,7 +147,7 @@ class QuantizedLinear(nn.Module):
         self.format = weight.bits | (INT8_INPUTS if weight.input_bits == 8 else 0)  # the kernel's format code
         self.out_features, self.in_features = weight.shape
         values, scales, offsets = kernels.pack_quantized(weight.q, weight.scale, weight.offset, self.format)
-        self.weight_bytes = sum(t.numel() * t.element_size() for t in (values, scales, offsets))  # one pass reads
+        self.weight_bytes = values.nbytes + scales.nbytes + offsets.nbytes  # what one pass reads
         self.values = nn.Parameter(values, requires_grad=False)
         self.scales = nn.Parameter(scales, requires_grad=False)
         self.offsets = nn.Parameter(offsets, requires_grad=False)
