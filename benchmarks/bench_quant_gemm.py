@@ -41,7 +41,9 @@ def main() -> None:
         for n, kk, bits in SHAPES:
             q = torch.randint(0, 16, (n, kk), dtype=torch.uint8, generator=gen) if bits == 4 else \
                 torch.randint(-128, 128, (n, kk), dtype=torch.int8, generator=gen)
-            scale, offset = torch.rand(n, kk // 32, generator=gen) * 0.01, torch.randn(n, kk // 32, generator=gen) * 0.01
+            # GGUF stores fp16 scales and offsets, and the packer takes nothing else
+            scale = (torch.rand(n, kk // 32, generator=gen) * 0.01).half().float()
+            offset = (torch.randn(n, kk // 32, generator=gen) * 0.01).half().float()
             packed[name].append((kk, n, bits | flag, k.pack_quantized(q, scale, offset, bits | flag)))
 
     def layer(isa: str, name: str, x: list[torch.Tensor], times: int = 10) -> None:
