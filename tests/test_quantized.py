@@ -132,6 +132,23 @@ def test_packing_refuses_scales_that_are_not_fp16_values():
         native_kernels().pack_quantized(q, torch.full((32, 2), 0.125), torch.full((32, 2), 1e-9), 4)
 
 
+@needs_kernel
+def test_the_gemm_benchmark_script_runs(monkeypatch, capsys):
+    """benchmarks/bench_quant_gemm.py end to end on every instruction set this CPU has (a smoke test
+    of the script, not a measurement: it once stopped at its first shape, unnoticed, when the packer
+    began to refuse scales that are not fp16 values)."""
+    import runpy
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_quant_gemm.py"
+    isas = native_kernels().supported_isas()
+    monkeypatch.setattr(sys, "argv", [str(script), "--isas", ",".join(isas), "--rows", "1,3", "--repeat", "1"])
+    runpy.run_path(str(script), run_name="__main__")
+    rows = [line.split()[:2] for line in capsys.readouterr().out.splitlines()[2:]]
+    assert rows == [[isa, inputs] for isa in isas for inputs in ("int16", "int8")]
+
+
 def test_shapes_the_kernel_cannot_take_are_refused_or_run_dense():
     with pytest.raises(ValueError, match="groups of 32"):
         quantize_int4(torch.randn(8, 48), 32)
