@@ -9,6 +9,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from specfork.errors import ModelLoadError
+from specfork.layers.quantized import QuantizedLinear
+from specfork.loading.huge_pages import move_to_huge_pages
 from specfork.loading.resolve import CheckpointFormat, CheckpointLocation, resolve_checkpoint
 from specfork.loading.tokenizer import Tokenizer, load_gguf_tokenizer, load_hf_tokenizer
 from specfork.models.config import ModelArchConfig
@@ -133,6 +135,7 @@ def _load(model: str, *, device: torch.device, dtype: torch.dtype, max_positions
     if leftover:
         logger.warning("ignored %d unexpected tensors, e.g. %s", len(leftover), leftover[:3])
     net.eval()
+    quantized_to_huge_pages(net)
     return LoadedModel(net, arch, tokenizer, location)
 
 
@@ -144,3 +147,12 @@ def _check_shapes(net: LlamaForCausalLM, arch: ModelArchConfig, location: Checkp
     expected = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
     if attn.qkv_proj.out_features != expected or attn.qkv_proj.in_features != arch.hidden_size:
         raise ModelLoadError(f"{location.path}: attention weights do not match the config")
+
+
+def quantized_to_huge_pages(model: torch.nn.Module) -> None:
+    """The packed weights of ``model``'s native quantised projections, which every decode step
+    streams, onto 2 MB pages (loading/huge_pages.py; nothing changes where Linux has none)."""
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    moved = move_to_huge_pages([t for m in layers for t in (m.values, m.scales, m.offsets)])
+    if moved:
+        logger.info("quantised weights: %.1f MB on 2 MB pages", moved / 1e6)

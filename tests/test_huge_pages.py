@@ -1,0 +1,81 @@
+"""Quantised weights on 2 MB pages (loading/huge_pages.py): the same values, the same outputs,
+and the pages really are huge where Linux offers them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specfork import LLM, SamplingParams
+from specfork.layers.quantized import QuantizedLinear
+from specfork.loading import huge_pages, loader
+from specfork.loading.gguf_export import export_gguf
+from specfork.loading.huge_pages import HUGE_PAGE, huge_pages_available, move_to_huge_pages
+from specfork.native_kernels import kernels as native_kernels
+
+needs_thp = pytest.mark.skipif(not huge_pages_available(), reason="this system has no transparent huge pages")
+
+
+def huge_bytes_at(address: int) -> int:
+    """AnonHugePages (bytes) of the mapping of this process that holds ``address``."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and ":" not in fields[0]:
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                inside = start <= address < end
+            elif inside and fields[0] == "AnonHugePages:":
+                return int(fields[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@needs_thp
+def test_moved_tensors_keep_their_values_and_sit_on_huge_pages():
+    weight = torch.nn.Parameter(torch.randint(0, 255, (3 << 20,), dtype=torch.uint8), requires_grad=False)
+    scales = torch.randn(1000, 7)
+    empty = torch.empty(0)
+    before = weight.clone(), scales.clone()
+    moved = move_to_huge_pages([weight, scales, empty])
+    assert moved == weight.nbytes + scales.nbytes
+    assert isinstance(weight, torch.nn.Parameter)  # moved in place
+    assert torch.equal(weight, before[0]) and torch.equal(scales, before[1])
+    assert weight.data_ptr() % HUGE_PAGE == 0
+    assert huge_bytes_at(weight.data_ptr()) >= HUGE_PAGE
+    assert huge_bytes_at(scales.data_ptr()) >= HUGE_PAGE  # the same mapping
+
+
+def test_nothing_moves_where_huge_pages_are_off(tmp_path, monkeypatch):
+    setting = tmp_path / "enabled"
+    setting.write_text("always madvise [never]\n")
+    monkeypatch.setattr(huge_pages, "THP_SETTING", setting)
+    t = torch.randn(1000, 1000)
+    address = t.data_ptr()
+    assert move_to_huge_pages([t]) == 0 and t.data_ptr() == address
+
+
+def test_only_contiguous_cpu_tensors_move():
+    if not huge_pages_available():
+        pytest.skip("this system has no transparent huge pages")
+    with pytest.raises(ValueError, match="contiguous CPU"):
+        move_to_huge_pages([torch.randn(64, 64).t()])
+
+
+@needs_thp
+@pytest.mark.skipif(native_kernels() is None, reason="the native kernels are not built")
+def test_a_native_model_reads_its_weights_from_huge_pages_and_decodes_the_same(tiny_checkpoints, tmp_path,
+                                                                                 monkeypatch):
+    path = str(export_gguf(tiny_checkpoints["llama-gqa-tied"].path, tmp_path / "tiny-q4_1.gguf", vocab_from=None,
+                           out_type="q4_1"))
+    prompts = [[1, 5, 9, 2], [3, 3, 7]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm = LLM(path)
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
+    assert layers and all(huge_bytes_at(m.values.data_ptr()) > 0 for m in layers)
+    moved = [o.token_ids for o in llm.generate(prompts, params)]
+    llm.close()
+    monkeypatch.setattr(loader, "move_to_huge_pages", lambda tensors: 0)
+    with LLM(path) as plain:
+        assert all(huge_bytes_at(m.values.data_ptr()) == 0 for m in plain.engine.runner.model.modules()
+                   if isinstance(m, QuantizedLinear))
+        assert [o.token_ids for o in plain.generate(prompts, params)] == moved
