@@ -76,6 +76,7 @@ def test_a_native_model_reads_its_weights_from_huge_pages_and_decodes_the_same(t
     llm.close()
     monkeypatch.setattr(loader, "move_to_huge_pages", lambda tensors: 0)
     with LLM(path) as plain:
-        assert all(huge_bytes_at(m.values.data_ptr()) == 0 for m in plain.engine.runner.model.modules()
-                   if isinstance(m, QuantizedLinear))
+        if "[madvise]" in huge_pages.THP_SETTING.read_text():  # (with "always" any large tensor may get them)
+            assert all(huge_bytes_at(m.values.data_ptr()) == 0 for m in plain.engine.runner.model.modules()
+                       if isinstance(m, QuantizedLinear))
         assert [o.token_ids for o in plain.generate(prompts, params)] == moved

@@ -12,13 +12,10 @@ verification 0.97x; docs/benchmarks.md.)
 
 from __future__ import annotations
 
-import logging
 import mmap
 from pathlib import Path
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
 ALIGNMENT = 64  # bytes between tensors in the mapping (PyTorch's own CPU alignment)
