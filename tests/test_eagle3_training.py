@@ -20,7 +20,7 @@ from specfork import LLM, SamplingParams
 from specfork.errors import SpecforkError
 from specfork.loading.eagle3 import draft_to_target, load_eagle3_tensors, read_eagle3_config
 from specfork.speculative.corpus import load_corpus
-from specfork.training import eagle3_pipeline, pipeline
+from specfork.training import eagle3_pipeline, eagle3_trainer, pipeline
 from specfork.training.data import Example
 from specfork.training.eagle3_features import FeatureStore, choose_draft_vocab
 from specfork.training.eagle3_head import Eagle3TrainHead, build_head, head_config, target_head_rows, ttt_loss
@@ -200,6 +200,17 @@ def test_interrupted_training_resumes_to_the_same_weights(trained, examples, tar
     assert [r["loss"] for r in resumed.history] == [r["loss"] for r in straight.history]
     for (name, a), b in zip(straight.head.state_dict().items(), resumed.head.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("instructions", [(), ("_is_avx512_bf16_supported",), ("_is_amx_tile_supported",)])
+def test_auto_precision_takes_bfloat16_only_where_the_cpu_has_bf16_instructions(monkeypatch, instructions):
+    # oneDNN alone says yes on any AVX-512 CPU, emulating bf16 at a third of float32's speed
+    for name in eagle3_trainer.BF16_INSTRUCTIONS:
+        monkeypatch.setattr(torch.cpu, name, lambda has=name in instructions: has, raising=False)
+    expected = torch.bfloat16 if instructions else None
+    assert eagle3_trainer.autocast_dtype("auto", torch.device("cpu")) == expected
+    assert eagle3_trainer.autocast_dtype("fp32", torch.device("cpu")) is None
+    assert eagle3_trainer.autocast_dtype("bf16", torch.device("cpu")) == torch.bfloat16
 
 
 def test_bfloat16_matrix_products_train_close_to_float32(trained, examples, target, tmp_path):
