@@ -75,8 +75,5 @@ def test_a_native_model_reads_its_weights_from_huge_pages_and_decodes_the_same(t
     moved = [o.token_ids for o in llm.generate(prompts, params)]
     llm.close()
     monkeypatch.setattr(loader, "move_to_huge_pages", lambda tensors: 0)
-    with LLM(path) as plain:
-        if "[madvise]" in huge_pages.THP_SETTING.read_text():  # (with "always" any large tensor may get them)
-            assert all(huge_bytes_at(m.values.data_ptr()) == 0 for m in plain.engine.runner.model.modules()
-                       if isinstance(m, QuantizedLinear))
+    with LLM(path) as plain:  # (whether its small tensors sit on huge pages is the allocator's business)
         assert [o.token_ids for o in plain.generate(prompts, params)] == moved
