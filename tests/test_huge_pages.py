@@ -30,6 +30,25 @@ def huge_bytes_at(address: int) -> int:
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
+def packed_tensors(llm) -> list[torch.Tensor]:
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
+    assert layers
+    return [t for m in layers for t in (m.values, m.scales, m.offsets) if t.numel()]
+
+
+def moved_together(tensors: list[torch.Tensor]) -> bool:
+    """Whether ``tensors`` lie back to back from a 2 MB boundary, 64-byte aligned, as
+    ``move_to_huge_pages`` lays them out (PyTorch's allocator gives each its own block)."""
+    address = tensors[0].data_ptr()
+    if address % HUGE_PAGE:
+        return False
+    for t in tensors:
+        if t.data_ptr() != address:
+            return False
+        address += -(-t.nbytes // 64) * 64
+    return True
+
+
 @needs_thp
 def test_moved_tensors_keep_their_values_and_sit_on_huge_pages():
     weight = torch.nn.Parameter(torch.randint(0, 255, (3 << 20,), dtype=torch.uint8), requires_grad=False)
@@ -54,9 +73,8 @@ def test_nothing_moves_where_huge_pages_are_off(tmp_path, monkeypatch):
     assert move_to_huge_pages([t]) == 0 and t.data_ptr() == address
 
 
+@needs_thp
 def test_only_contiguous_cpu_tensors_move():
-    if not huge_pages_available():
-        pytest.skip("this system has no transparent huge pages")
     with pytest.raises(ValueError, match="contiguous CPU"):
         move_to_huge_pages([torch.randn(64, 64).t()])
 
@@ -70,10 +88,12 @@ def test_a_native_model_reads_its_weights_from_huge_pages_and_decodes_the_same(t
     prompts = [[1, 5, 9, 2], [3, 3, 7]]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     llm = LLM(path)
-    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
-    assert layers and all(huge_bytes_at(m.values.data_ptr()) > 0 for m in layers)
+    tensors = packed_tensors(llm)
+    assert moved_together(tensors)  # in the one mapping move_to_huge_pages made ...
+    assert huge_bytes_at(tensors[0].data_ptr()) > 0  # ... which has huge pages
     moved = [o.token_ids for o in llm.generate(prompts, params)]
     llm.close()
     monkeypatch.setattr(loader, "move_to_huge_pages", lambda tensors: 0)
-    with LLM(path) as plain:  # (whether its small tensors sit on huge pages is the allocator's business)
+    with LLM(path) as plain:
+        assert not moved_together(packed_tensors(plain))  # the layout check tells the two apart
         assert [o.token_ids for o in plain.generate(prompts, params)] == moved
