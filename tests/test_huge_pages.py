@@ -10,7 +10,7 @@ from specfork import LLM, SamplingParams
 from specfork.layers.quantized import QuantizedLinear
 from specfork.loading import huge_pages, loader
 from specfork.loading.gguf_export import export_gguf
-from specfork.loading.huge_pages import HUGE_PAGE, huge_pages_available, move_to_huge_pages
+from specfork.loading.huge_pages import ALIGNMENT, HUGE_PAGE, huge_pages_available, move_to_huge_pages
 from specfork.native_kernels import kernels as native_kernels
 
 needs_thp = pytest.mark.skipif(not huge_pages_available(), reason="this system has no transparent huge pages")
@@ -37,7 +37,7 @@ def packed_tensors(llm) -> list[torch.Tensor]:
 
 
 def moved_together(tensors: list[torch.Tensor]) -> bool:
-    """Whether ``tensors`` lie back to back from a 2 MB boundary, 64-byte aligned, as
+    """Whether ``tensors`` lie back to back from a 2 MB boundary, each ALIGNMENT-aligned, as
     ``move_to_huge_pages`` lays them out (PyTorch's allocator gives each its own block)."""
     address = tensors[0].data_ptr()
     if address % HUGE_PAGE:
@@ -45,7 +45,7 @@ def moved_together(tensors: list[torch.Tensor]) -> bool:
     for t in tensors:
         if t.data_ptr() != address:
             return False
-        address += -(-t.nbytes // 64) * 64
+        address += -(-t.nbytes // ALIGNMENT) * ALIGNMENT
     return True
 
 
