@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from specfork import LLM, SamplingParams
-from specfork.layers.quantized import QuantizedLinear
 from specfork.loading import huge_pages, loader
 from specfork.loading.gguf_export import export_gguf
 from specfork.loading.huge_pages import ALIGNMENT, HUGE_PAGE, huge_pages_available, move_to_huge_pages
@@ -31,9 +30,9 @@ def huge_bytes_at(address: int) -> int:
 
 
 def packed_tensors(llm) -> list[torch.Tensor]:
-    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
-    assert layers
-    return [t for m in layers for t in (m.values, m.scales, m.offsets) if t.numel()]
+    tensors = [t for t in loader.packed_weights(llm.engine.runner.model) if t.numel()]  # empty ones stay put
+    assert tensors
+    return tensors
 
 
 def moved_together(tensors: list[torch.Tensor]) -> bool:

@@ -149,10 +149,16 @@ def _check_shapes(net: LlamaForCausalLM, arch: ModelArchConfig, location: Checkp
         raise ModelLoadError(f"{location.path}: attention weights do not match the config")
 
 
-def quantized_to_huge_pages(model: torch.nn.Module) -> None:
-    """The packed weights of ``model``'s native quantised projections, which every decode step
-    streams, onto 2 MB pages (loading/huge_pages.py; nothing changes where Linux has none)."""
+def packed_weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The packed weights of ``model``'s native quantised projections, in module order: what
+    every decode step streams."""
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    moved = move_to_huge_pages([t for m in layers for t in (m.values, m.scales, m.offsets)])
+    return [t for m in layers for t in (m.values, m.scales, m.offsets)]
+
+
+def quantized_to_huge_pages(model: torch.nn.Module) -> None:
+    """``model``'s packed weights onto 2 MB pages (loading/huge_pages.py; nothing changes where
+    Linux has none)."""
+    moved = move_to_huge_pages(packed_weights(model))
     if moved:
         logger.info("quantised weights: %.1f MB on 2 MB pages", moved / 1e6)
