@@ -21,8 +21,18 @@ from specfork.sampling import (
 needs_kernel = pytest.mark.skipif(native_kernels() is None, reason="native kernels need a C++ compiler")
 
 
-def _probs(logits, temperature=1.0, top_k=0, top_p=1.0):
-    return logits_to_probs(
+def _native_filter(logits, temperature, top_k, top_p):
+    return native_kernels().filtered_prob_rows(logits.float().contiguous(), temperature.float().contiguous(),
+                                               top_k.long().contiguous(), top_p.float().contiguous())
+
+
+# The filter's two forms: PyTorch's (every device) and the native kernel's (CPU float32 rows, when built).
+FILTERS = [pytest.param(logits_to_probs, id="pytorch"), pytest.param(_native_filter, id="native", marks=needs_kernel)]
+each_filter = pytest.mark.parametrize("filter_rows", FILTERS)
+
+
+def _probs(logits, temperature=1.0, top_k=0, top_p=1.0, filter_rows=logits_to_probs):
+    return filter_rows(
         logits.unsqueeze(0),
         torch.tensor([temperature]),
         torch.tensor([top_k]),
@@ -52,20 +62,23 @@ def test_greedy_tokens_is_torch_argmax_on_ties_nan_and_inf(dtype):
     assert expected[1] == 7
 
 
-def test_temperature_scales_logits():
+@each_filter
+def test_temperature_scales_logits(filter_rows):
     expected = torch.softmax(LOGITS / 0.7, dim=0)
-    torch.testing.assert_close(_probs(LOGITS, temperature=0.7), expected)
+    torch.testing.assert_close(_probs(LOGITS, temperature=0.7, filter_rows=filter_rows), expected)
 
 
-def test_top_k_keeps_k_largest_renormalized():
-    p = _probs(LOGITS, top_k=3)
+@each_filter
+def test_top_k_keeps_k_largest_renormalized(filter_rows):
+    p = _probs(LOGITS, top_k=3, filter_rows=filter_rows)
     keep = [3, 0, 6]  # logits 3.0, 2.0, 1.5
     expected = torch.zeros(8)
     expected[keep] = torch.softmax(LOGITS[keep], dim=0)
     torch.testing.assert_close(p, expected)
 
 
-def test_top_p_keeps_smallest_prefix_reaching_mass():
+@each_filter
+def test_top_p_keeps_smallest_prefix_reaching_mass(filter_rows):
     full = torch.softmax(LOGITS, dim=0)
     order = full.argsort(descending=True).tolist()
     for top_p in (0.3, 0.5, 0.8, 0.95):
@@ -77,11 +90,12 @@ def test_top_p_keeps_smallest_prefix_reaching_mass():
                 break
         expected = torch.zeros(8)
         expected[keep] = full[keep] / full[keep].sum()
-        torch.testing.assert_close(_probs(LOGITS, top_p=top_p), expected)
+        torch.testing.assert_close(_probs(LOGITS, top_p=top_p, filter_rows=filter_rows), expected)
 
 
-def test_top_k_then_top_p_and_temperature_together():
-    p = _probs(LOGITS, temperature=2.0, top_k=4, top_p=0.6)
+@each_filter
+def test_top_k_then_top_p_and_temperature_together(filter_rows):
+    p = _probs(LOGITS, temperature=2.0, top_k=4, top_p=0.6, filter_rows=filter_rows)
     scaled = LOGITS / 2.0
     keep4 = scaled.topk(4).indices.tolist()
     sub = torch.softmax(scaled[keep4], dim=0)
@@ -96,11 +110,12 @@ def test_top_k_then_top_p_and_temperature_together():
     torch.testing.assert_close(p, expected)
 
 
-def test_rows_are_filtered_independently():
+@each_filter
+def test_rows_are_filtered_independently(filter_rows):
     logits = torch.stack([LOGITS, LOGITS.flip(0)])
-    p = logits_to_probs(logits, torch.tensor([1.0, 0.5]), torch.tensor([2, 0]), torch.tensor([1.0, 0.9]))
-    torch.testing.assert_close(p[0], _probs(LOGITS, top_k=2))
-    torch.testing.assert_close(p[1], _probs(LOGITS.flip(0), temperature=0.5, top_p=0.9))
+    p = filter_rows(logits, torch.tensor([1.0, 0.5]), torch.tensor([2, 0]), torch.tensor([1.0, 0.9]))
+    torch.testing.assert_close(p[0], _probs(LOGITS, top_k=2, filter_rows=filter_rows))
+    torch.testing.assert_close(p[1], _probs(LOGITS.flip(0), temperature=0.5, top_p=0.9, filter_rows=filter_rows))
 
 
 def _sorting_reference(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -117,7 +132,8 @@ def _sorting_reference(logits: torch.Tensor, temperature: float, top_k: int, top
     return scaled.softmax(dim=0)
 
 
-def test_the_filter_equals_a_sorting_reference_over_a_large_vocabulary():
+@each_filter
+def test_the_filter_equals_a_sorting_reference_over_a_large_vocabulary(filter_rows):
     """Nuclei from one token to thousands (past every doubling of the candidates searched), top-k
     small and large, several settings in one batch: each row as the reference filters it alone."""
     gen = torch.Generator().manual_seed(5)
@@ -126,7 +142,7 @@ def test_the_filter_equals_a_sorting_reference_over_a_large_vocabulary():
                 (0.8, 40, 0.95), (1.5, 0, 1.0), (3.0, 0, 0.999)]
     logits = torch.randn(len(settings), vocab, generator=gen) * 3
     temperature, top_k, top_p = (torch.tensor(column) for column in zip(*settings, strict=True))
-    probs = logits_to_probs(logits, temperature.float(), top_k, top_p.float())
+    probs = filter_rows(logits, temperature.float(), top_k, top_p.float())
     supports = []
     for row, (t, k, p) in enumerate(settings):
         expected = _sorting_reference(logits[row], t, k, p)
@@ -136,7 +152,8 @@ def test_the_filter_equals_a_sorting_reference_over_a_large_vocabulary():
     assert min(supports) <= 5 and max(s for s in supports if s < vocab) > 2000, supports
 
 
-def test_ties_at_the_top_p_boundary_are_kept_whatever_their_order():
+@each_filter
+def test_ties_at_the_top_p_boundary_are_kept_whatever_their_order(filter_rows):
     """The boundary falls inside a group of equal logits: the whole group is kept, as top-k keeps
     its ties, so the kept set does not depend on how a sort orders equal values."""
     logits = torch.tensor([0.0, 2.0, 0.0, 3.0, 0.0, -5.0])
@@ -145,22 +162,26 @@ def test_ties_at_the_top_p_boundary_are_kept_whatever_their_order():
     expected = torch.zeros(6)
     keep = [0, 1, 2, 3, 4]
     expected[keep] = torch.softmax(logits[keep], dim=0)
-    torch.testing.assert_close(_probs(logits, top_p=top_p), expected)
-    torch.testing.assert_close(_probs(logits.flip(0), top_p=top_p), expected.flip(0))
+    torch.testing.assert_close(_probs(logits, top_p=top_p, filter_rows=filter_rows), expected)
+    torch.testing.assert_close(_probs(logits.flip(0), top_p=top_p, filter_rows=filter_rows), expected.flip(0))
 
 
-def test_a_row_without_top_p_keeps_its_whole_vocabulary_beside_a_row_with_it():
+@each_filter
+def test_a_row_without_top_p_keeps_its_whole_vocabulary_beside_a_row_with_it(filter_rows):
     """A row filters alike alone and in any batch. (The first filter cut the tail of a row with
     top_p 1 whenever another row of the batch had top_p < 1: its float32 running mass passed 1.0
     before the end of the row.)"""
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(2, 3000, generator=gen) * 3
-    together = logits_to_probs(logits, torch.tensor([1.0, 1.0]), torch.tensor([0, 0]), torch.tensor([1.0, 0.5]))
-    torch.testing.assert_close(together[0], torch.softmax(logits[0], dim=0), rtol=0, atol=0)
-    assert torch.equal(together[1], _probs(logits[1], top_p=0.5))
+    together = filter_rows(logits, torch.tensor([1.0, 1.0]), torch.tensor([0, 0]), torch.tensor([1.0, 0.5]))
+    exact = dict(rtol=0, atol=0) if filter_rows is logits_to_probs else {}  # the kernel's exp is another's
+    assert bool((together[0] > 0).all())
+    torch.testing.assert_close(together[0], torch.softmax(logits[0], dim=0), **exact)
+    assert torch.equal(together[1], _probs(logits[1], top_p=0.5, filter_rows=filter_rows))
 
 
-def test_each_row_filters_alike_alone_and_in_any_batch():
+@each_filter
+def test_each_row_filters_alike_alone_and_in_any_batch(filter_rows):
     """Random batches mixing temperatures, top-k and top-p, with many tied logits: every row of
     the batch equals that row filtered alone, bit for bit (how many candidates the batch made the
     nucleus search take does not matter)."""
@@ -174,9 +195,9 @@ def test_each_row_filters_alike_alone_and_in_any_batch():
         top_k = torch.randint(0, vocab + 3, (rows,), generator=gen) * (torch.rand(rows, generator=gen) < 0.5)
         top_p = torch.where(torch.rand(rows, generator=gen) < 0.6, torch.rand(rows, generator=gen) * 0.99 + 0.01,
                             torch.ones(rows))
-        together = logits_to_probs(logits, temperature, top_k, top_p)
+        together = filter_rows(logits, temperature, top_k, top_p)
         for r in range(rows):
-            alone = logits_to_probs(logits[r : r + 1], temperature[r : r + 1], top_k[r : r + 1], top_p[r : r + 1])
+            alone = filter_rows(logits[r : r + 1], temperature[r : r + 1], top_k[r : r + 1], top_p[r : r + 1])
             assert torch.equal(together[r], alone[0]), (trial, r)
 
 
@@ -244,21 +265,26 @@ def test_same_generator_seed_same_samples():
 
 @needs_kernel
 def test_the_native_draw_is_the_pytorch_draw_with_the_same_uniforms():
-    """Temperature-only rows go through the fused kernel; the others through ``sample``. With the
-    same generators every token is the PyTorch path's (a vocabulary no multiple of DRAW_BLOCK,
-    peaked and flat rows, greedy, top-k and top-p rows in the same batch)."""
+    """Sampled rows go through the fused kernel (filter and draw); with the same generators every
+    token is the PyTorch path's: logits_to_probs, then the blocks' inverse transform (a vocabulary
+    no multiple of DRAW_BLOCK, peaked and flat rows, greedy, top-k and top-p rows in one batch)."""
     torch.manual_seed(0)
     vocab, n = 3 * DRAW_BLOCK + 45, 300
     logits = torch.randn(n, vocab) * torch.linspace(0.2, 12.0, n).unsqueeze(1)
     kinds = [dict(temperature=0.6), dict(temperature=1.0), dict(temperature=1.7), dict(temperature=0.0),
-             dict(temperature=1.0, top_k=50), dict(temperature=0.8, top_p=0.9)]
+             dict(temperature=1.0, top_k=50), dict(temperature=0.8, top_p=0.9),
+             dict(temperature=0.7, top_k=200, top_p=0.6), dict(temperature=1.3, top_k=3)]
     params = [SamplingParams(**kinds[i % len(kinds)]) for i in range(n)]
-    expected = sample(logits, params, [torch.Generator().manual_seed(i) for i in range(n)]).tokens
+    probs = logits_to_probs(logits, torch.tensor([p.temperature or 1.0 for p in params]),
+                            torch.tensor([p.top_k for p in params]), torch.tensor([p.top_p for p in params]))
+    uniforms = torch.cat([torch.rand(1, dtype=torch.float64, generator=torch.Generator().manual_seed(i)) for i in range(n)])
+    drawn = _draw_blocks(probs, uniforms).tolist()
+    expected = [int(logits[i].argmax()) if params[i].greedy else drawn[i] for i in range(n)]
     got = sample_tokens(logits, params, [torch.Generator().manual_seed(i) for i in range(n)])
     assert got == expected
     assert len(set(got)) > 100  # real draws, not a constant
     alone = [sample_tokens(logits[i : i + 1], [params[i]], [torch.Generator().manual_seed(i)])[0] for i in range(0, n, 7)]
-    assert alone == got[::7]  # a row's path, and so its draw, depends on its own settings only
+    assert alone == got[::7]  # a row's draw does not depend on its batch
 
 
 @needs_kernel
@@ -282,21 +308,41 @@ def test_the_native_weight_draw_is_the_pytorch_draw_with_the_same_uniforms():
 
 
 @needs_kernel
-@pytest.mark.parametrize("temperature", [1.0, 1.5])
-def test_the_native_draw_matches_the_distribution_chi_square(temperature):
-    """softmax(LOGITS / T) by chi-square over 40000 draws, and a wrong temperature fails it."""
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (1.5, 0, 1.0), (1.2, 0, 0.8), (0.9, 5, 1.0),
+                                                       (1.5, 6, 0.9)])
+def test_the_native_draw_matches_the_distribution_chi_square(temperature, top_k, top_p):
+    """The filtered softmax(LOGITS / T) by chi-square over 40000 draws (the exact probabilities
+    enumerated by the filter's definition: the top_k largest, then the shortest prefix by
+    probability reaching top_p), and a wrong temperature fails it."""
     n = 40000
-    tokens = native_kernels().sample_temperature_rows(LOGITS.expand(n, 8).contiguous(), torch.full((n,), temperature),
-                                                      torch.rand(n, dtype=torch.float64,
-                                                                 generator=torch.Generator().manual_seed(5)))
-    counts = torch.bincount(tokens, minlength=8).float()
+    tokens = native_kernels().sample_logit_rows(LOGITS.expand(n, 8).contiguous(), torch.full((n,), temperature),
+                                                torch.full((n,), top_k), torch.full((n,), top_p),
+                                                torch.rand(n, dtype=torch.float64,
+                                                           generator=torch.Generator().manual_seed(5)))
+    counts = torch.bincount(tokens, minlength=8).double()
 
-    def chi2(t):
-        expected = torch.softmax(LOGITS.double() / t, -1) * n
-        return (((counts.double() - expected) ** 2) / expected).sum().item()
+    def exact(t):
+        order = (LOGITS.double() / t).argsort(descending=True).tolist()[: top_k or 8]
+        kept, mass = [], 0.0
+        full = torch.softmax(LOGITS.double()[order] / t, -1).tolist()
+        for token, prob in zip(order, full, strict=True):
+            if mass >= top_p:
+                break
+            kept.append(token)
+            mass += prob
+        probs = torch.zeros(8, dtype=torch.float64)
+        probs[kept] = torch.softmax(LOGITS.double()[kept] / t, -1)
+        return probs
 
-    assert chi2(temperature) < 24.3  # 99.9% quantile of chi-square with 7 dof
-    assert chi2(temperature * 1.2) > 24.3
+    def chi2(probs):
+        assert counts[probs == 0].sum() == 0, "a token outside the filter was drawn"
+        expected = probs[probs > 0] * n
+        return (((counts[probs > 0] - expected) ** 2) / expected).sum().item()
+
+    kept = int((exact(temperature) > 0).sum())
+    assert kept == min(top_k or 8, 8) if top_p == 1.0 else 1 < kept < (top_k or 8)  # the filter cut the row
+    assert chi2(exact(temperature)) < 24.3  # 99.9% quantile of chi-square with at most 7 dof
+    assert chi2(exact(temperature * 1.3)) > 24.3
 
 
 @pytest.mark.parametrize(

@@ -2,10 +2,12 @@
 
 ``logits_to_probs`` is the one filter (temperature, then top-k, then top-p), so autoregressive
 sampling, draft proposals and speculative verification all see the very same distribution for a
-request. ``sample`` draws one token per row: argmax for greedy requests, otherwise a draw from the
-filtered distribution with the request's own generator (one uniform per draw); a ``reshape`` hook may replace the
-filtered distribution before the draw (SSD's Saguaro sampling), and the distribution actually
-drawn from is what is returned, so verification stays exact.
+request; on the CPU its native form (``csrc/sampling.cpp``, tested to keep the same tokens) runs in
+its place wherever the kernels are built, for every row alike. ``sample`` draws one token per row:
+argmax for greedy requests, otherwise a draw from the filtered distribution with the request's own
+generator (one uniform per draw); a ``reshape`` hook may replace the filtered distribution before
+the draw (SSD's Saguaro sampling), and the distribution actually drawn from is what is returned, so
+verification stays exact.
 """
 
 from __future__ import annotations
@@ -93,8 +95,16 @@ def _outside_nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """``logits_to_probs`` with row i filtered by ``params[i]``."""
-    return logits_to_probs(logits, *sampling_tensors(params, logits.device))
+    """``logits_to_probs`` with row i filtered by ``params[i]``. CPU float32 rows go through the
+    native kernel when it is built (``csrc/sampling.cpp``'s filtered_prob_rows: the same filter,
+    top-k's k-th largest found among candidates above a rising threshold and top-p's nucleus
+    searched band by band of probability, where this module's PyTorch form runs a dozen ops and
+    ``topk`` over the whole row: ~2 ms a row with top-p on a 2-core Xeon, ~0.1 ms in the kernel).
+    The kept sets are the same; the kernel's exponential is within 2 ulp of PyTorch's, so a nucleus
+    whose mass comes within rounding of top-p can end one token apart."""
+    tensors = sampling_tensors(params, logits.device)
+    kernels = native_sampler(logits)
+    return logits_to_probs(logits, *tensors) if kernels is None else kernels.filtered_prob_rows(logits.contiguous(), *tensors)
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
@@ -197,42 +207,26 @@ def sample(
 def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
                   generators: Sequence[torch.Generator]) -> list[int]:
     """``sample(logits, params, generators).tokens``, for callers that want only the tokens (AR and
-    SD's plain passes). On the CPU, the rows that ask for a temperature alone (no top-k, no top-p:
-    the server's and ``SamplingParams``' default) are drawn by the native kernel when it is built:
-    the same two-level inverse transform as ``sample_from_probs`` over softmax(logits / temperature),
-    with the same uniform from the row's generator, in one pass per row instead of a tensor per
-    stage. Its exponential is within 2 ulp of ``std::exp`` (PyTorch's is another within a few ulp),
-    so a draw within rounding of a boundary between two tokens can fall the other way; the
-    distribution is the same. (After a forward has evicted the caches, 8 rows took 3.06 ms on the
-    PyTorch path's dozen small ops and 0.50 ms here, 1 row 0.93 -> 0.27 ms.)
+    SD's plain passes). On the CPU the sampled rows are drawn by the native kernel when it is built:
+    each row filtered (temperature, top-k, top-p) and drawn by the same two-level inverse transform
+    as ``sample_from_probs``, with the same uniform from the row's generator, in a few passes per
+    row instead of a tensor per stage. Its exponential is within 2 ulp of ``std::exp`` (PyTorch's is
+    another within a few ulp), so a draw within rounding of a boundary between two tokens can fall
+    the other way; the distribution is the same. (After a forward has evicted the caches, 8 rows
+    took 3.06 ms on the PyTorch path's dozen small ops and 0.50 ms here, 1 row 0.93 -> 0.27 ms.)
 
-    Which path a row takes depends on its own settings only, so a row draws alike alone and in any
-    batch."""
-    fused = [i for i, p in enumerate(params) if temperature_only(p)]
-    kernels = native_sampler(logits) if fused else None
+    Which path a row takes depends on the device alone, so a row draws alike alone and in any batch."""
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    kernels = native_sampler(logits) if sampled else None
     if kernels is None:
         return sample(logits, params, generators).tokens
-    in_kernel = set(fused)
-    rest = [i for i in range(len(params)) if i not in in_kernel]
-    tokens = [0] * len(params)
-    if rest:
-        rows = torch.tensor(rest, device=logits.device)
-        for i, token in zip(rest, sample(logits.index_select(0, rows), [params[i] for i in rest],
-                                         [generators[i] for i in rest]).tokens, strict=True):
-            tokens[i] = token
-    selected = logits if len(fused) == len(params) else logits.index_select(0, torch.tensor(fused))
-    temperature = torch.tensor([params[i].temperature for i in fused], dtype=torch.float32)
-    drawn = kernels.sample_temperature_rows(selected.contiguous(), temperature,
-                                            draw_uniforms([generators[i] for i in fused], logits.device))
-    for i, token in zip(fused, drawn.tolist(), strict=True):
+    tokens = greedy_tokens(logits) if len(sampled) < len(params) else [0] * len(params)
+    selected = logits if len(sampled) == len(params) else logits.index_select(0, torch.tensor(sampled))
+    drawn = kernels.sample_logit_rows(selected.contiguous(), *sampling_tensors([params[i] for i in sampled], logits.device),
+                                      draw_uniforms([generators[i] for i in sampled], logits.device))
+    for i, token in zip(sampled, drawn.tolist(), strict=True):
         tokens[i] = token
     return tokens
-
-
-def temperature_only(params: SamplingParams) -> bool:
-    """A sampled request that asks for a temperature alone (no top-k, no top-p): its rows are drawn,
-    and SD verifies its proposals, straight from the logits by the native kernels when they apply."""
-    return not params.greedy and params.top_k == 0 and params.top_p >= 1.0
 
 
 def native_sampler(rows: torch.Tensor):

@@ -16,8 +16,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_chunk", &attention_chunk, "keys per work item of paged_attention_decode (its partials are per query, chunk and head)");
   m.def("decoder_layer_decode", &decoder_layer_decode, "one Llama decoder layer of a decode/verify step");
   m.def("decoder_stack_decode", &decoder_stack_decode, "every decoder layer, the final norm and the LM head of a decode/verify step");
-  m.def("sample_temperature_rows", &sample_temperature_rows, "one token per row from softmax(logits / temperature), fused");
+  m.def("sample_logit_rows", &sample_logit_rows, "one token per row from the filtered softmax(logits / temperature), fused");
+  m.def("filtered_prob_rows", &filtered_prob_rows, "each row's probabilities after its temperature, top-k and top-p");
   m.def("sample_weight_rows", &sample_weight_rows, "one token per row of weights with the row's uniform (inverse transform)");
-  m.def("verify_temperature_rows", &verify_temperature_rows, "speculative sampling's verification of one temperature-only sequence from its logits");
+  m.def("verify_logit_rows", &verify_logit_rows, "speculative sampling's verification of one sequence from its logits");
   m.def("eagle3_head_decode", &eagle3_head_decode, "an EAGLE-3 head's step: fc, norms, its decoder layer and the LM head of chosen rows");
 }

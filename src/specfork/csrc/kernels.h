@@ -88,15 +88,21 @@ std::vector<torch::Tensor> eagle3_head_decode(
     double eps, double scale, const std::vector<torch::Tensor>& head_weights, const std::vector<int64_t>& head_format,
     const std::vector<int64_t>& logit_rows);
 
-// sampling.cpp: one token per row drawn from softmax(logits / temperature) with the row's uniform
-// (sampling.py's sample_from_probs over its filtered probabilities, fused; temperature-only rows).
-torch::Tensor sample_temperature_rows(const torch::Tensor& logits, const torch::Tensor& temperature,
-                                      const torch::Tensor& uniforms);
+// sampling.cpp: one token per row drawn from the filtered softmax(logits / temperature) with the row's
+// uniform (sampling.py's sample_from_probs over logits_to_probs, fused); each row's temperature
+// (float32), top-k (int64, 0: off) and top-p (float32, 1: off).
+torch::Tensor sample_logit_rows(const torch::Tensor& logits, const torch::Tensor& temperature,
+                                const torch::Tensor& top_k, const torch::Tensor& top_p, const torch::Tensor& uniforms);
+// sampling.py's logits_to_probs: each row's probabilities [N, V] float32 after its temperature, top-k
+// and top-p.
+torch::Tensor filtered_prob_rows(const torch::Tensor& logits, const torch::Tensor& temperature,
+                                 const torch::Tensor& top_k, const torch::Tensor& top_p);
 // sampling.py's sample_from_probs: one token per row of [N, V] float32 weights (a row need not sum to
 // 1) with the row's uniform.
 torch::Tensor sample_weight_rows(const torch::Tensor& weights, const torch::Tensor& uniforms);
-// rejection.py's verify_sampled for one sequence of a temperature-only request, from the target's
-// logits [n + 1, V]: (accepted proposals m, the recovered or bonus token) as int64 [2].
-torch::Tensor verify_temperature_rows(const torch::Tensor& logits, double temperature, const torch::Tensor& proposed,
-                                      const torch::Tensor& draft_probs, const torch::Tensor& accept_uniforms,
-                                      double last_uniform);
+// rejection.py's verify_sampled for one sequence, from the target's logits [n + 1, V] and the
+// request's temperature, top-k and top-p: (accepted proposals m, the recovered or bonus token) as
+// int64 [2].
+torch::Tensor verify_logit_rows(const torch::Tensor& logits, double temperature, int64_t top_k, double top_p,
+                                const torch::Tensor& proposed, const torch::Tensor& draft_probs,
+                                const torch::Tensor& accept_uniforms, double last_uniform);

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from specfork.sampling import draw_uniforms, sample_from_probs
+from specfork.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
@@ -57,8 +58,9 @@ def verify_sampled(
     p_x = target_probs[rows, proposed]
     q_x = torch.ones_like(p_x) if draft_probs is None else draft_probs[rows, proposed]
     u = torch.rand(n, generator=generator, device=target_probs.device)
-    # accept while u * q(x) <= p(x), i.e. u <= p/q (q(x) > 0 since x was drawn from q)
-    accepted = (u * q_x <= p_x).to(torch.int64)
+    # accept while u * q(x) <= p(x), i.e. u <= p/q (q(x) > 0 since x was drawn from q); never a token
+    # the target's filter removed (p(x) = 0), even where the uniform is exactly 0
+    accepted = ((u * q_x <= p_x) & (p_x > 0)).to(torch.int64)
     m = int(accepted.cumprod(0).sum()) if n else 0
     if m < n:
         if draft_probs is None:
@@ -76,23 +78,23 @@ def verify_sampled(
 
 def verify_sampled_logits(
     target_logits: torch.Tensor,  # [n + 1, V] float32 on the CPU, unfiltered
-    temperature: float,
+    params: SamplingParams,
     proposed: torch.Tensor,  # [n] int64 x_1..x_n
     draft_probs: torch.Tensor | None,  # [n, V] q_1..q_n, or None: every proposal is one-hot
     generator: torch.Generator,
     kernels,
 ) -> VerifyResult:
-    """``verify_sampled`` for a request that asks for a temperature alone, in the native kernel
-    (``csrc/sampling.cpp``'s verify_temperature_rows), from the target's logits: p(x) only for
-    the rows verification reaches, in one pass each, and one row written out, where it stops,
-    for the residual (a bonus token is drawn straight from the logits). The same uniforms are
-    consumed (n, then one for the last token), the same rule applied; the kernel's exponential is
-    within 2 ulp of PyTorch's, so a decision within rounding of its boundary may fall the other
+    """``verify_sampled`` in the native kernel (``csrc/sampling.cpp``'s verify_logit_rows), from the
+    target's logits and the request's temperature, top-k and top-p: p(x) only for the rows
+    verification reaches, filtered and summed in a few passes each, and one row written out, where
+    it stops, for the residual (a bonus token is drawn straight from the logits). The same uniforms
+    are consumed (n, then one for the last token), the same rule applied; the kernel's exponential
+    is within 2 ulp of PyTorch's, so a decision within rounding of its boundary may fall the other
     way, and the distribution is the same."""
     n = proposed.shape[0]
     u = torch.rand(n, generator=generator)
     last = draw_uniforms([generator], target_logits.device)
     q = torch.empty(0) if draft_probs is None else draft_probs.float().contiguous()
-    m, token = kernels.verify_temperature_rows(target_logits.contiguous(), float(temperature), proposed.contiguous(),
-                                               q, u, float(last[0])).tolist()
+    m, token = kernels.verify_logit_rows(target_logits.contiguous(), float(params.temperature), int(params.top_k),
+                                         float(params.top_p), proposed.contiguous(), q, u, float(last[0])).tolist()
     return VerifyResult(m, proposed[:m].tolist() + [token])

@@ -13,7 +13,7 @@ from specfork.engine.model_runner import ModelRunner
 from specfork.engine.scheduler import ScheduledBatch
 from specfork.engine.sequence import Sequence
 from specfork.engine.step import NewTokens, StepHealth, sample_new_tokens
-from specfork.sampling import filtered_probs, greedy_tokens, native_sampler, temperature_only
+from specfork.sampling import filtered_probs, greedy_tokens, native_sampler
 from specfork.speculative.auto_k import AutoK
 from specfork.speculative.proposer import Proposal, Proposer
 from specfork.speculative.rejection import verify_greedy, verify_sampled, verify_sampled_logits
@@ -183,10 +183,10 @@ class SpeculativeStep:
     def _verify(self, seqs: list[Sequence], proposal: Proposal, logits: torch.Tensor):
         spans = _spans([len(props) + 1 for props in proposal.tokens])  # (first logits row, rows) per sequence
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        # A temperature-only request is verified from its logits by the native kernel (when built);
-        # the others filter every verify position with their own settings first, as AR sampling does.
+        # A sampled request is verified from its logits by the native kernel (when built); otherwise
+        # every verify position is filtered with the request's own settings first, as AR sampling does.
         kernels = native_sampler(logits) if sampled else None
-        from_logits = {i for i in sampled if kernels is not None and temperature_only(seqs[i].params)}
+        from_logits = set(sampled) if kernels is not None else set()
         filtered = [i for i in sampled if i not in from_logits]
         target_probs = {}
         if filtered:
@@ -204,8 +204,8 @@ class SpeculativeStep:
             q = None if proposal.probs is None else proposal.probs[i, : len(props)]
             proposed = torch.tensor(props, dtype=torch.long, device=logits.device)
             if i in from_logits:
-                results.append(verify_sampled_logits(logits[first : first + rows], seq.params.temperature, proposed, q,
-                                                     seq.generator, kernels))
+                results.append(verify_sampled_logits(logits[first : first + rows], seq.params, proposed, q, seq.generator,
+                                                     kernels))
             else:
                 results.append(verify_sampled(target_probs[i], proposed, q, seq.generator))
         return results, spans
