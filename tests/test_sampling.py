@@ -13,7 +13,6 @@ from specfork.sampling import (
     _first_above,
     greedy_tokens,
     logits_to_probs,
-    sample,
     sample_from_probs,
     sample_tokens,
 )

@@ -292,8 +292,7 @@ int64_t draw_row(const float* x, int64_t vocab, const RowFilter& f, double u, Ro
 namespace {
 
 // The entry points' common checks: [N, V] contiguous float32 rows on the CPU (V > 0), one float64
-// uniform per row, and each row's settings: a float32 temperature (> 0), an int64 top-k (0: off) and a
-// float32 top-p (1: off).
+// uniform per row, and each row's settings (below).
 void check_rows(const char* fn, const torch::Tensor& rows) {
   TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == torch::kFloat32 && rows.is_contiguous() && rows.device().is_cpu(),
               fn, ": rows must be contiguous float32 [N, V] on the CPU");
@@ -305,8 +304,20 @@ void check_uniforms(const char* fn, const torch::Tensor& rows, const torch::Tens
               fn, ": one float64 uniform per row");
 }
 
-void check_settings(const char* fn, const torch::Tensor& rows, const torch::Tensor& temperature,
-                    const torch::Tensor& top_k, const torch::Tensor& top_p) {
+// Each row's settings, checked: a float32 temperature (> 0), an int64 top-k (0: off) and a float32
+// top-p (1: off) per row.
+struct RowSettings {
+  const float* t;
+  const int64_t* k;
+  const float* p;
+
+  RowFilter filter(const float* row, int64_t vocab, int64_t r, RowScratch& s) const {
+    return row_filter(row, vocab, t[r], k[r], p[r], s);
+  }
+};
+
+RowSettings row_settings(const char* fn, const torch::Tensor& rows, const torch::Tensor& temperature,
+                         const torch::Tensor& top_k, const torch::Tensor& top_p) {
   const int64_t n = rows.size(0);
   TORCH_CHECK(temperature.scalar_type() == torch::kFloat32 && temperature.numel() == n && temperature.is_contiguous(),
               fn, ": one float32 temperature per row");
@@ -314,6 +325,7 @@ void check_settings(const char* fn, const torch::Tensor& rows, const torch::Tens
               ": one int64 top-k per row");
   TORCH_CHECK(top_p.scalar_type() == torch::kFloat32 && top_p.numel() == n && top_p.is_contiguous(), fn,
               ": one float32 top-p per row");
+  return {temperature.data_ptr<float>(), top_k.data_ptr<int64_t>(), top_p.data_ptr<float>()};
 }
 
 // f(r, scratch) for every row r, rows split between the threads, with one scratch space per thread.
@@ -331,18 +343,15 @@ torch::Tensor sample_logit_rows(const torch::Tensor& logits, const torch::Tensor
                                 const torch::Tensor& top_k, const torch::Tensor& top_p, const torch::Tensor& uniforms) {
   check_rows("sample_logit_rows", logits);
   check_uniforms("sample_logit_rows", logits, uniforms);
-  check_settings("sample_logit_rows", logits, temperature, top_k, top_p);
+  const RowSettings settings = row_settings("sample_logit_rows", logits, temperature, top_k, top_p);
   const int64_t vocab = logits.size(1);
   auto tokens = torch::empty({logits.size(0)}, torch::kInt64);
   const float* x = logits.data_ptr<float>();
-  const float* t = temperature.data_ptr<float>();
-  const int64_t* k = top_k.data_ptr<int64_t>();
-  const float* p = top_p.data_ptr<float>();
   const double* u = uniforms.data_ptr<double>();
   int64_t* out = tokens.data_ptr<int64_t>();
   each_row(logits.size(0), vocab, [&](int64_t r, RowScratch& s) {
     const float* row = x + r * vocab;
-    out[r] = draw_row(row, vocab, row_filter(row, vocab, t[r], k[r], p[r], s), u[r], s);
+    out[r] = draw_row(row, vocab, settings.filter(row, vocab, r, s), u[r], s);
   });
   return tokens;
 }
@@ -350,18 +359,15 @@ torch::Tensor sample_logit_rows(const torch::Tensor& logits, const torch::Tensor
 torch::Tensor filtered_prob_rows(const torch::Tensor& logits, const torch::Tensor& temperature,
                                  const torch::Tensor& top_k, const torch::Tensor& top_p) {
   check_rows("filtered_prob_rows", logits);
-  check_settings("filtered_prob_rows", logits, temperature, top_k, top_p);
+  const RowSettings settings = row_settings("filtered_prob_rows", logits, temperature, top_k, top_p);
   const int64_t vocab = logits.size(1);
   auto probs = torch::empty_like(logits);
   const float* x = logits.data_ptr<float>();
-  const float* t = temperature.data_ptr<float>();
-  const int64_t* k = top_k.data_ptr<int64_t>();
-  const float* p = top_p.data_ptr<float>();
   float* out = probs.data_ptr<float>();
   each_row(logits.size(0), vocab, [&](int64_t r, RowScratch& s) {
     const float* row = x + r * vocab;
     float* w = out + r * vocab;
-    const double total = kept_weights(row, vocab, row_filter(row, vocab, t[r], k[r], p[r], s), s);
+    const double total = kept_weights(row, vocab, settings.filter(row, vocab, r, s), s);
     for (int64_t j = 0; j < vocab; ++j) w[j] = static_cast<float>(static_cast<double>(s.w[j]) / total);
   });
   return probs;
