@@ -25,6 +25,9 @@
 namespace {
 
 constexpr int64_t kDrawBlock = 256;  // sampling.py's DRAW_BLOCK
+
+// The blocks of kDrawBlock tokens a row of vocab tokens is drawn by (the last may be short).
+constexpr int64_t blocks_of(int64_t vocab) { return (vocab + kDrawBlock - 1) / kDrawBlock; }
 constexpr int kLanes = 8;            // float64 partial sums of a block, folded in a fixed order
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
@@ -116,7 +119,7 @@ __attribute__((flatten)) void residual_weights(const float* x, const float* q, i
 // kDrawBlock floats, or all of them side by side where whole_row.
 double row_total(const float* x, int64_t vocab, const RowFilter& f, float* w, double* by_block,
                  bool whole_row = false) {
-  const int64_t blocks = (vocab + kDrawBlock - 1) / kDrawBlock;
+  const int64_t blocks = blocks_of(vocab);
   double running = 0.0;
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t n = std::min(kDrawBlock, vocab - b * kDrawBlock);
@@ -222,7 +225,7 @@ float nucleus_least(const float* w, int64_t n, double total, float p, std::vecto
 // The total of a row of weights, block by block in float64; by_block (when given) receives the
 // running totals at each block's end.
 double weights_total(const float* p, int64_t vocab, double* by_block = nullptr) {
-  const int64_t blocks = (vocab + kDrawBlock - 1) / kDrawBlock;
+  const int64_t blocks = blocks_of(vocab);
   double running = 0.0;
   for (int64_t b = 0; b < blocks; ++b) {
     running += block_sum(p + b * kDrawBlock, std::min(kDrawBlock, vocab - b * kDrawBlock));
@@ -233,7 +236,7 @@ double weights_total(const float* p, int64_t vocab, double* by_block = nullptr) 
 
 // sample_from_probs on given weights (no exponential): the same blocks, sums and search.
 int64_t draw_weights_row(const float* p, int64_t vocab, double u, std::vector<double>& by_block) {
-  const int64_t blocks = (vocab + kDrawBlock - 1) / kDrawBlock;
+  const int64_t blocks = blocks_of(vocab);
   const double running = weights_total(p, vocab, by_block.data());
   const auto weights_of = [&](int64_t b, int64_t, float*) { return p + b * kDrawBlock; };
   return pick(by_block, blocks, vocab, u * running, weights_of, nullptr);
@@ -247,7 +250,7 @@ struct RowScratch {
   bool row_weights = false;  // w holds the current row's weights before top-p's cut (row_filter)
 
   explicit RowScratch(int64_t vocab)
-      : by_block((vocab + kDrawBlock - 1) / kDrawBlock), w(std::max(kDrawBlock, vocab)) {}
+      : by_block(blocks_of(vocab)), w(std::max(kDrawBlock, vocab)) {}
 };
 
 // The filter of a row of logits at temperature t with top-k k (0: off) and top-p p (>= 1: off).
@@ -278,7 +281,7 @@ int64_t draw_row(const float* x, int64_t vocab, const RowFilter& f, double u, Ro
     kept_weights(x, vocab, f, s);
     return draw_weights_row(s.w.data(), vocab, u, s.by_block);
   }
-  const int64_t blocks = (vocab + kDrawBlock - 1) / kDrawBlock;
+  const int64_t blocks = blocks_of(vocab);
   const double running = row_total(x, vocab, f, s.w.data(), s.by_block.data());
   const auto weights_of = [&](int64_t b, int64_t n, float* out) {
     block_weights(x + b * kDrawBlock, n, f, out);
@@ -286,10 +289,6 @@ int64_t draw_row(const float* x, int64_t vocab, const RowFilter& f, double u, Ro
   };
   return pick(s.by_block, blocks, vocab, u * running, weights_of, s.w.data());
 }
-
-}  // namespace
-
-namespace {
 
 // The entry points' common checks: [N, V] contiguous float32 rows on the CPU (V > 0), one float64
 // uniform per row, and each row's settings (below).
