@@ -186,8 +186,7 @@ class SpeculativeStep:
         # A sampled request is verified from its logits by the native kernel (when built); otherwise
         # every verify position is filtered with the request's own settings first, as AR sampling does.
         kernels = native_sampler(logits) if sampled else None
-        from_logits = set(sampled) if kernels is not None else set()
-        filtered = [i for i in sampled if i not in from_logits]
+        filtered = sampled if kernels is None else []
         target_probs = {}
         if filtered:
             idx = torch.cat([torch.arange(spans[i][0], sum(spans[i])) for i in filtered]).to(logits.device)
@@ -203,7 +202,7 @@ class SpeculativeStep:
                 continue
             q = None if proposal.probs is None else proposal.probs[i, : len(props)]
             proposed = torch.tensor(props, dtype=torch.long, device=logits.device)
-            if i in from_logits:
+            if kernels is not None:
                 results.append(verify_sampled_logits(logits[first : first + rows], seq.params, proposed, q, seq.generator,
                                                      kernels))
             else:
