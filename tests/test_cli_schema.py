@@ -5,6 +5,8 @@ the settings object."""
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 
@@ -56,6 +58,8 @@ def test_engine_options_reach_the_config(argv, field, value):
     (["generate", "--quantize-group", "48"], "argument --quantize-group: invalid choice: 48"),
     (["bench", "--backup", "slow"], "argument --backup: invalid choice: 'slow'"),
     (["bench-serve", "--request-rate", "1,fast"], "takes comma-separated numbers or inf, got '1,fast'"),
+    (["--log-level", "loud", "models"], "--log-level: 'loud' is not one of debug, info"),
+    (["models", "--log-level", "loud"], "--log-level: 'loud' is not one of debug, info"),
 ])
 def test_bad_option_values_are_one_line_errors(argv, expected, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -63,6 +67,30 @@ def test_bad_option_values_are_one_line_errors(argv, expected, capsys):
     err = capsys.readouterr().err
     assert exit_info.value.code == 2
     assert expected in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("argv, level", [
+    (["models"], "WARNING"),
+    (["--log-level", "info", "models"], "info"),
+    (["models", "--log-level", "debug"], "debug"),
+    (["--log-level", "error", "generate", "--log-level", "info"], "info"),  # the later one wins
+    (["--log-level", "error", "bench"], "error"),  # unset after the command: the one before stands
+])
+def test_the_log_level_is_read_before_or_after_the_command(argv, level):
+    assert _parse(*argv).log_level == level
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly():
+    """`specfork ... | head`: the command's output meets a closed pipe; no traceback, exit 141."""
+    script = ("import sys; from specfork.cli import COMMANDS, main; "
+              "COMMANDS['models'].run = lambda args: [print('x' * 99) for _ in range(100000)] and 0; "
+              "sys.exit(main(['models']))")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline() == b"x" * 99 + b"\n"
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 141, err
+    assert b"Traceback" not in err and b"Error" not in err, err
 
 
 def test_the_other_commands_default_to_their_settings_defaults():

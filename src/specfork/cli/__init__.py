@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shlex
 import sys
 
@@ -26,13 +27,17 @@ COMMANDS = {
 }
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_LEVEL_HELP = "logging level: debug, info, warning, error (default: warning)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="specfork",
         description="specfork: exact speculative decoding (AR, SD and SSD). "
         "Run `specfork generate` to generate with the embedded SmolLM2-135M model.",
     )
-    parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+    parser.add_argument("--log-level", default="WARNING", help=LOG_LEVEL_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, command in COMMANDS.items():
         epilog = getattr(command, "EPILOG", None)
@@ -40,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter if epilog else argparse.HelpFormatter)
         if hasattr(command, "add_arguments"):
             command.add_arguments(p)
+        # also after the command (`specfork generate --log-level info`); unset there, the value
+        # before the command (or its default) stands
+        p.add_argument("--log-level", default=argparse.SUPPRESS, help=LOG_LEVEL_HELP)
     return parser
 
 
@@ -47,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.command_line = shlex.join(["specfork", *(sys.argv[1:] if argv is None else argv)])
+    if args.log_level.upper() not in LOG_LEVELS:
+        parser.error(f"--log-level: {args.log_level!r} is not one of {', '.join(LOG_LEVELS).lower()}")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.command is None:
         parser.print_help()
@@ -62,3 +72,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`specfork models | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+        return 141
