@@ -28,7 +28,7 @@ COMMANDS = {
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-LOG_LEVEL_HELP = "logging level: debug, info, warning, error (default: warning)"
+LOG_LEVEL_HELP = "logging level: debug, info, warning, error, critical (default: warning)"
 
 
 def build_parser() -> argparse.ArgumentParser:
