@@ -137,33 +137,34 @@ double row_total(const float* x, int64_t vocab, const RowFilter& f, float* w, do
   return running;
 }
 
-// Calls take(v) for every v of x[0..n) that passes keep(v), counting each block's passes first (a loop
-// GCC vectorises, where a constant chunk it unrolls and leaves scalar): the searches below pass few
-// values, so most blocks cost their compares alone.
-template <class Keep, class Take>
-inline void each_kept(const float* x, int64_t n, Keep keep, Take take) {
-  for (int64_t j = 0; j < n; j += kDrawBlock) {
-    const int64_t m = std::min(kDrawBlock, n - j);
-    int hits = 0;
-    for (int64_t i = 0; i < m; ++i) hits += keep(x[j + i]) ? 1 : 0;
-    if (hits > 0)
-      for (int64_t i = 0; i < m; ++i)
-        if (keep(x[j + i])) take(x[j + i]);
+// Writes the values of x[0..m) (m <= kDrawBlock) that pass keep to out, in order, and returns how
+// many: the block's passes are counted first (a loop GCC vectorises), so a block without any costs its
+// compares alone, and a block with some is gathered without a branch per value (out must hold m
+// floats). keep is taken by value, with its bounds in it: a predicate that read a bound through a
+// reference, while the gathered values were written, had it reloaded from memory at every value
+// (top-k's rising threshold: 1.4x a row's time where GCC inlined the search).
+template <class Keep>
+inline int64_t gather_block(const float* x, int64_t m, Keep keep, float* out) {
+  int hits = 0;
+  for (int64_t i = 0; i < m; ++i) hits += keep(x[i]) ? 1 : 0;
+  if (hits == 0) return 0;
+  int64_t c = 0;
+  for (int64_t i = 0; i < m; ++i) {
+    const float v = x[i];
+    out[c] = v;
+    c += keep(v) ? 1 : 0;
   }
+  return c;
 }
 
 // The k-th largest of n floats (1 <= k < n; NaN ignored; -inf when fewer than k are numbers): the
-// values at or above a threshold are gathered and cut to the k largest (with their ties) whenever
-// enough have gathered, which raises the threshold. A block of kDrawBlock values is first counted
-// against the threshold (a loop GCC vectorises), and a block with any candidate is gathered without
-// a branch per value, the threshold held in a register: written through each_kept, with the
-// threshold captured by reference, the gathering loop reloaded it from memory at every value and
-// took 1.4x the time per row when GCC inlined this function.
+// values at or above a threshold are gathered, block by block, and cut to the k largest (with their
+// ties) whenever enough have gathered, which raises the threshold.
 float kth_largest(const float* x, int64_t n, int64_t k, std::vector<float>& buf) {
   size_t cap = std::max<size_t>(4 * static_cast<size_t>(k), 256);
   size_t used = 0;
   float floor = -kInf;
-  buf.resize(cap + kDrawBlock);  // a block gathered from used < cap stays within
+  if (buf.size() < cap + kDrawBlock) buf.resize(cap + kDrawBlock);  // a block gathered from used < cap stays within
   const auto cut = [&] {
     std::nth_element(buf.begin(), buf.begin() + (k - 1), buf.begin() + used, std::greater<float>());
     floor = buf[k - 1];
@@ -172,19 +173,8 @@ float kth_largest(const float* x, int64_t n, int64_t k, std::vector<float>& buf)
     if (buf.size() < cap + kDrawBlock) buf.resize(cap + kDrawBlock);
   };
   for (int64_t j = 0; j < n; j += kDrawBlock) {
-    const int64_t m = std::min(kDrawBlock, n - j);
-    const float at_least = floor;
-    int hits = 0;
-    for (int64_t i = 0; i < m; ++i) hits += x[j + i] >= at_least ? 1 : 0;
-    if (hits == 0) continue;
-    float* out = buf.data() + used;
-    int64_t c = 0;
-    for (int64_t i = 0; i < m; ++i) {
-      const float v = x[j + i];
-      out[c] = v;
-      c += v >= at_least ? 1 : 0;
-    }
-    used += static_cast<size_t>(c);
+    const auto at_least = [floor](float v) { return v >= floor; };
+    used += static_cast<size_t>(gather_block(x + j, std::min(kDrawBlock, n - j), at_least, buf.data() + used));
     if (used >= cap) cut();
   }
   if (used < static_cast<size_t>(k)) return -kInf;
@@ -231,12 +221,16 @@ float nucleus_least(const float* w, int64_t n, double total, float p, std::vecto
   double before = b > 0 ? at_least[b - 1] : 0.0;  // the weight of every heavier band
   float upper = b > 0 ? kBandEdges[b - 1] : kInf;
   float last = 0.0f;
+  if (band.size() < static_cast<size_t>(n)) band.resize(n);  // a band may hold the whole row
   for (; b < kBands; ++b) {
     const float lower = kBandEdges[b];
-    band.clear();
-    each_kept(w, n, [&](float v) { return (v >= lower) & (v < upper); }, [&](float v) { band.push_back(v); });
-    std::sort(band.begin(), band.end(), std::greater<float>());
-    for (const float v : band) {
+    const auto in_band = [lower, upper](float v) { return (v >= lower) & (v < upper); };
+    int64_t used = 0;
+    for (int64_t j = 0; j < n; j += kDrawBlock)
+      used += gather_block(w + j, std::min(kDrawBlock, n - j), in_band, band.data() + used);
+    std::sort(band.begin(), band.begin() + used, std::greater<float>());
+    for (int64_t i = 0; i < used; ++i) {
+      const float v = band[i];
       if (!(before < target)) return last;
       last = v;
       before += static_cast<double>(v);
