@@ -19,10 +19,10 @@ from builders import build_tiny_checkpoint
 from specfork import LLM, SamplingParams
 from specfork.errors import SpecforkError
 from specfork.loading.eagle3 import draft_to_target, load_eagle3_tensors, read_eagle3_config
-from specfork.speculative.corpus import load_corpus
+from specfork.speculative.corpus import load_corpus, save_corpus
 from specfork.training import eagle3_pipeline, eagle3_trainer, pipeline
 from specfork.training.data import Example
-from specfork.training.eagle3_features import FeatureStore, choose_draft_vocab
+from specfork.training.eagle3_features import FeatureStore, choose_draft_vocab, count_response_tokens
 from specfork.training.eagle3_head import Eagle3TrainHead, build_head, head_config, target_head_rows, ttt_loss
 from specfork.training.eagle3_trainer import Eagle3Trainer, collate_features
 from specfork.training.pipeline import train_draft
@@ -174,6 +174,60 @@ def test_init_head_goes_on_from_a_saved_head_with_its_vocabulary(trained, exampl
     assert json.loads((again.output / "specfork_draft.json").read_text())["eagle3"]["init_head"] == str(job.output)
     with pytest.raises(SpecforkError, match="--init-head keeps"):
         Eagle3Settings(draft_vocab=64, init_head=job.output)
+
+
+def test_reselected_draft_vocab_keeps_trained_rows_and_maps_the_target_rows_of_new_ids(trained, examples, tmp_path):
+    """``--reselect-draft-vocab`` with ``--draft-vocab-corpus``: the head's vocabulary is chosen
+    again (same size) from the responses' and the corpus's counts; the ids it keeps start from
+    the saved head's trained rows, new ids from the target's rows mapped by the least-squares map
+    of the target's rows of the saved ids to the saved rows."""
+    job, _ = trained
+    saved_config, saved = read_eagle3_config(job.output), load_eagle3_tensors(job.output)
+    saved_ids = draft_to_target(saved, saved_config)
+    outside = [i for i in range(3, 256) if i not in set(saved_ids.tolist())][:40]
+    corpus = tmp_path / "corpus.npz"  # 40 ids the saved head lacks, each frequent enough to enter
+    save_corpus(corpus, [outside * 50], vocab_size=256)
+    again = replace(job, output=tmp_path / "head", work_dir=tmp_path / "work", train=replace(job.train, epochs=1.0),
+                    eagle3=replace(job.eagle3, draft_vocab="auto", init_head=job.output, reselect_draft_vocab=True,
+                                   draft_vocab_corpus=corpus))
+    starts = []
+    with pytest.MonkeyPatch.context() as patch:  # the LM head as training starts
+        patch.setattr(eagle3_pipeline, "Eagle3Trainer",
+                      lambda head, *rest: starts.append(head.lm_head.weight.detach().clone()) or Eagle3Trainer(
+                          head, *rest))
+        second = _train(again, examples)
+    counts = count_response_tokens([x for x in examples if not is_eval_example(x)], 256)
+    counts += torch.bincount(torch.tensor(outside * 50), minlength=256)
+    new_ids = draft_to_target(load_eagle3_tensors(again.output), read_eagle3_config(again.output))
+    assert torch.equal(new_ids, choose_draft_vocab(counts, DRAFT_VOCAB).ids) and second["draft_vocab"]["size"] == DRAFT_VOCAB
+    assert set(outside) <= set(new_ids.tolist())
+    kept = torch.isin(new_ids, saved_ids)
+    assert 0 < int(kept.sum()) < DRAFT_VOCAB
+    start = starts[0]
+    assert torch.equal(start[kept], saved["lm_head.weight"].float()[torch.searchsorted(saved_ids, new_ids[kept])])
+    target_model = LLM(str(job.target)).engine.loaded.model
+    mapping = torch.linalg.lstsq(target_head_rows(target_model, saved_ids).double(),
+                                 saved["lm_head.weight"].double()).solution
+    assert torch.allclose(start[~kept].double(), target_head_rows(target_model, new_ids[~kept]).double() @ mapping,
+                          atol=1e-5)
+    with pytest.raises(SpecforkError, match="--reselect-draft-vocab re-chooses"):
+        Eagle3Settings(reselect_draft_vocab=True)
+
+
+def test_carried_over_rows_of_new_ids_follow_the_heads_linear_readout():
+    """When a head's trained rows are exactly a linear map of the target's, a new id's row is that
+    map of its target row; rows of ids the head had stay as they are, other weights untouched."""
+    gen = torch.Generator().manual_seed(3)
+    target_rows = torch.randn(40, 8, generator=gen)  # the target's LM head, 40 ids of width 8
+    readout = torch.randn(8, 8, generator=gen)
+    old_ids, new_ids = torch.arange(0, 20), torch.tensor([2, 5, 7, 21, 30, 33, 39])
+    init = eagle3_pipeline.InitialHead(None, old_ids, {"lm_head.weight": target_rows[old_ids] @ readout,
+                                                        "norm.weight": torch.ones(8)})
+    out = eagle3_pipeline.carried_over(init, new_ids, target_rows[new_ids], target_rows[old_ids])
+    assert torch.equal(out["lm_head.weight"][:3], init.tensors["lm_head.weight"][[2, 5, 7]])
+    assert torch.allclose(out["lm_head.weight"][3:], target_rows[[21, 30, 33, 39]] @ readout, atol=1e-5)
+    assert out["norm.weight"] is init.tensors["norm.weight"]
+    assert eagle3_pipeline.carried_over(init, old_ids, target_rows[old_ids], target_rows[old_ids]) is init.tensors
 
 
 def test_interrupted_training_resumes_to_the_same_weights(trained, examples, target, tmp_path):

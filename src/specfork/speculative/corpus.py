@@ -121,6 +121,12 @@ def save_corpus(path: Path, sequences: list[list[int]], vocab_size: int) -> int:
 
 def load_corpus(path: Path, vocab_size: int) -> LookupCorpus:
     """The corpus in ``path``, refused unless it was written for a vocabulary of ``vocab_size``."""
+    return LookupCorpus(read_corpus_tokens(path, vocab_size))
+
+
+def read_corpus_tokens(path: Path, vocab_size: int) -> np.ndarray:
+    """The int32 tokens of the corpus file ``path`` (sequences separated by ``SEPARATOR``), refused
+    unless it was written for a vocabulary of ``vocab_size``."""
     try:
         with np.load(path) as data:
             tokens, saved_vocab = data["tokens"], int(data["vocab_size"])
@@ -129,4 +135,4 @@ def load_corpus(path: Path, vocab_size: int) -> LookupCorpus:
     if saved_vocab != vocab_size:
         raise SpecforkError(f"the lookup corpus {path} was written for a vocabulary of {saved_vocab} tokens; "
                             f"the target has {vocab_size}")
-    return LookupCorpus(tokens)
+    return tokens
