@@ -212,6 +212,8 @@ def test_reselected_draft_vocab_keeps_trained_rows_and_maps_the_target_rows_of_n
                           atol=1e-5)
     with pytest.raises(SpecforkError, match="--reselect-draft-vocab re-chooses"):
         Eagle3Settings(reselect_draft_vocab=True)
+    with pytest.raises(SpecforkError, match="no such file"):  # refused before any data is generated
+        Eagle3Settings(draft_vocab_corpus=tmp_path / "missing.npz")
 
 
 def test_carried_over_rows_of_new_ids_follow_the_heads_linear_readout():

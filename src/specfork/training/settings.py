@@ -104,15 +104,17 @@ class Eagle3Settings:
                             "float32; auto: bf16 on CUDA and on CPUs with native bfloat16", choices=("auto", "bf16", "fp32"),
                             group=EAGLE3)
     init_head: Path | None = option(
-        None, "start from this EAGLE-3 head's weights instead of new ones, keeping its draft vocabulary, MLP width "
-        "and feature layers (to go on training a head on more or other data)", parse=Path, group=EAGLE3)
+        None, "start from this EAGLE-3 head's weights instead of new ones, keeping its MLP width, feature layers "
+        "and (unless --reselect-draft-vocab) draft vocabulary, to go on training a head on more or other data",
+        parse=Path, group=EAGLE3)
     draft_vocab_corpus: Path | None = option(
         None, "also count this lookup corpus's tokens when choosing the draft vocabulary (an earlier run's "
         "WORK_DIR/lookup_corpus.npz, or the shipped smollm2-135m-corpus.npz: the responses of the prompts that "
         "--skip-prompts leaves out)", parse=Path, group=EAGLE3)
     reselect_draft_vocab: bool = option(
         False, "with --init-head: choose that head's draft vocabulary anew (same size) from this run's counts; "
-        "the LM-head rows of the ids it keeps stay as trained, new ids start from the target's rows", group=EAGLE3)
+        "the LM-head rows of the ids it keeps stay as trained, new ids start from the target's rows mapped into "
+        "the head's readout", group=EAGLE3)
     shard_size: int = option(64, cli=False)  # sequences per feature shard (what a resumed run keeps)
 
     def __post_init__(self) -> None:
@@ -128,6 +130,9 @@ class Eagle3Settings:
         if self.reselect_draft_vocab and self.init_head is None:
             raise SpecforkError("--reselect-draft-vocab re-chooses the vocabulary of the --init-head head; give "
                                 "--init-head too (a new head always chooses its vocabulary)")
+        if self.draft_vocab_corpus is not None and not Path(self.draft_vocab_corpus).is_file():
+            raise SpecforkError(f"--draft-vocab-corpus {self.draft_vocab_corpus}: no such file (a lookup corpus "
+                                "written by train-draft, WORK_DIR/lookup_corpus.npz)")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise SpecforkError(f"precision must be auto, bf16 or fp32, got {self.precision!r}")
         if self.feature_batch < 1 or self.shard_size < 1:
