@@ -67,6 +67,14 @@ def count_response_tokens(examples: list[Example], vocab_size: int) -> torch.Ten
     return counts
 
 
+def corpus_token_counts(path: Path, vocab_size: int) -> torch.Tensor:
+    """[vocab_size] int64: how often each id occurs in the lookup corpus ``path``."""
+    from specfork.speculative.corpus import SEPARATOR, read_corpus_tokens
+
+    tokens = torch.from_numpy(read_corpus_tokens(path, vocab_size).astype("int64"))
+    return torch.bincount(tokens[tokens != SEPARATOR], minlength=vocab_size)
+
+
 def training_sequence(example: Example, max_seq_len: int) -> tuple[list[int], int]:
     """(token ids, prompt length) of the sequence an example trains on: at most ``max_seq_len``
     tokens, the prompt losing tokens from the left first (as the draft trainer's ``collate``)."""

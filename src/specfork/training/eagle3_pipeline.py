@@ -31,6 +31,7 @@ from specfork.training.eagle3_features import (
     STORE_DTYPE,
     DraftVocab,
     choose_draft_vocab,
+    corpus_token_counts,
     count_response_tokens,
     extract_features,
 )
@@ -170,14 +171,6 @@ def carried_over(init: InitialHead, draft_ids: torch.Tensor, target_rows: torch.
 def coverage_of(ids: torch.Tensor, counts: torch.Tensor) -> float:
     """The share of the counted tokens whose id is in ``ids``."""
     return float(counts[ids].sum()) / max(1, int(counts.sum()))
-
-
-def corpus_token_counts(path: Path, vocab_size: int) -> torch.Tensor:
-    """[vocab_size] int64: how often each id occurs in the lookup corpus ``path``."""
-    from specfork.speculative.corpus import SEPARATOR, read_corpus_tokens
-
-    tokens = torch.from_numpy(read_corpus_tokens(path, vocab_size).astype("int64"))
-    return torch.bincount(tokens[tokens != SEPARATOR], minlength=vocab_size)
 
 
 def draft_vocab_record(vocab: DraftVocab, target_vocab: int) -> dict:
