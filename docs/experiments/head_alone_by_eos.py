@@ -2,7 +2,11 @@
 EOS: mean accepted length, acceptance by position, and the share of AR's output tokens inside each
 head's draft vocabulary; greedy outputs checked against AR's (src/specfork/drafts/README.md, stage 9):
 
-    python docs/experiments/head_alone_by_eos.py HEAD_DIR[,HEAD_DIR...] PROMPTS
+    python docs/experiments/head_alone_by_eos.py HEAD_DIR[,HEAD_DIR...] PROMPTS [K]
+
+With K, each head runs as SD's default draft does (prompt lookup first, the shipped lookup corpus,
+the confidence floor) with k fixed at K instead (issue 17 measures accepted length at k <= 6).
+Accepted lengths do not depend on timing, so this may share the machine with other work.
 """
 
 import sys
@@ -16,11 +20,13 @@ from specfork.loading.eagle3 import draft_to_target, load_eagle3_tensors, read_e
 from specfork.outputs import aggregate_metrics
 
 ALONE = {"mode": "sd", "k": 5, "lookup_first": 0, "draft_confidence": 0.0, "lookup_corpus": "none", "threads": 2}
+DEFAULTS = {"mode": "sd", "lookup_first": 2, "draft_confidence": 0.3, "lookup_corpus": "default", "threads": 2}
 
 
-def main(heads: list[str], num_prompts: int) -> None:
+def main(heads: list[str], num_prompts: int, k: int | None) -> None:
     ar = LLM(threads=2)
-    engines = {h: LLM(draft=h, **ALONE) for h in heads}
+    settings = ALONE if k is None else {**DEFAULTS, "k": k}
+    engines = {h: LLM(draft=h, **settings) for h in heads}
     vocab = {h: draft_to_target(load_eagle3_tensors(Path(h)), read_eagle3_config(Path(h))) for h in heads}
     for dataset in ("humaneval", "sharegpt"):
         prompts = [encode(ar, p) for p in load_prompts(dataset, "eval", num_prompts)]
@@ -40,4 +46,4 @@ def main(heads: list[str], num_prompts: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1].split(","), int(sys.argv[2]))
+    main(sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else None)
