@@ -15,12 +15,15 @@ from pathlib import Path
 import torch
 
 from specfork import LLM, SamplingParams
+from specfork.config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_LOOKUP_FIRST
 from specfork.datasets import encode, load_prompts
 from specfork.loading.eagle3 import draft_to_target, load_eagle3_tensors, read_eagle3_config
 from specfork.outputs import aggregate_metrics
 
 ALONE = {"mode": "sd", "k": 5, "lookup_first": 0, "draft_confidence": 0.0, "lookup_corpus": "none", "threads": 2}
-DEFAULTS = {"mode": "sd", "lookup_first": 2, "draft_confidence": 0.3, "lookup_corpus": "default", "threads": 2}
+# SD's defaults for the shipped head, which a head given by path does not get unasked.
+DEFAULTS = {"mode": "sd", "lookup_first": DEFAULT_LOOKUP_FIRST, "draft_confidence": DEFAULT_DRAFT_CONFIDENCE,
+            "lookup_corpus": "default", "threads": 2}
 
 
 def main(heads: list[str], num_prompts: int, k: int | None) -> None:
