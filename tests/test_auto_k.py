@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import pytest
@@ -187,6 +188,33 @@ def test_a_slow_stretch_of_plain_rounds_does_not_hold_k_auto_at_speculating():
     assert auto.current.k > 0  # plain rounds looked twice as slow as modelled
     after = rounds(48, slowdown=1.0)
     assert auto.current.k == 0 and after[-8:].count(0) >= 7, after
+
+
+def test_probes_of_a_longer_window_correct_step_costs_measured_too_high():
+    """The start-up measurement priced windows of 3 or more rows 1.6x too high (a noisy moment),
+    so k auto starts at k = 1, and every k it does not run borrows k = 1's correction. Real rounds
+    take the true times, with acceptance 0.8, where k = 4 or more pays best: the probes of k + 1
+    must walk k up to it."""
+    true = StepCosts(draft_s=0.0002, verify_s=tuple(0.005 + 0.0004 * (m - 1) for m in range(1, 10)))
+    measured = StepCosts(draft_s=0.0002, verify_s=tuple(t * (1.6 if m >= 3 else 1.0)
+                                                        for m, t in enumerate(true.verify_s, start=1)))
+    best = plan(true, alpha=0.8)[0].k
+    assert best >= 4 and plan(measured, alpha=0.8)[0].k == 1
+    auto = AutoK(measured)
+    for accepted in [1, 1, 1, 1, 0] * 10:  # a = 0.8 already known
+        auto.observe(1, accepted)
+    assert auto.current.k == 1
+    pattern = [1, 1, 1, 1, 0] * 2  # runs of 4 accepted, then a rejection
+    ks = []
+    for i in range(40 * PROBE_EVERY):
+        k = auto.ks_for_round()[0]
+        if k:
+            auto.observe(k, min(k, sum(1 for _ in itertools.takewhile(bool, pattern[i % 5 :]))))
+        auto.end_round([k], modelled_round_s(true, k))
+        ks.append(k)
+    late = ks[-4 * PROBE_EVERY :]
+    assert auto.current.k >= best - 1 and min(late) == 0 and max(late) > 1, late  # probes of 0 and of k + 1 go on
+    assert {k for k in late if k != auto.current.k} <= {0, auto.current.k + 1}
 
 
 def test_k_auto_sd_equals_ar(tiny_checkpoints):

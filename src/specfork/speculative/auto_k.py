@@ -24,7 +24,12 @@ average that forgets with the rounds gone by, not with the samples taken, so tha
 measurement replaces one taken PROBE_EVERY rounds earlier while the machine may have been busier;
 an unmeasured pair borrows from the nearest measured pair of its kind, plain or speculating)
 scales the model's round times. A k = 0 probe round now and then, while speculating, keeps plain decoding's real
-rate known: ``k auto`` falls back to it whenever speculation does not pay.
+rate known: ``k auto`` falls back to it whenever speculation does not pay. Every other probe while
+speculating runs k + 1 instead, so that a longer window gets a measured time too. The step times
+are measured once, in a fraction of a second; on a busy machine they can price the longer windows
+up to twice too high, and a k that is never run borrows the correction of the nearest one that
+is, so without these probes k auto never found out (it stayed at k = 1 for a whole run; the
+probes took SD 3-15% faster there, and level where the measurement was right: docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -221,6 +226,9 @@ class AutoK:
         if self.rounds % PROBE_EVERY != FIRST_PROBE:
             return [self.current.k] * batch
         if self.current.k > 0:
+            # Speculating, the probes alternate: plain decoding, then one token more than k.
+            if self.rounds // PROBE_EVERY % 2 and self.current.k < self.k_max:
+                return [self.current.k + 1] * batch
             return [0] * batch
         turn = self.rounds // PROBE_EVERY % batch
         return [int(i == turn) for i in range(batch)]
