@@ -10,24 +10,23 @@ rounds at each k are printed (docs/decisions.md, "k auto probes k + 1"):
 import dataclasses
 import sys
 import time
-import types
 
 from specfork import LLM, SamplingParams
 from specfork.datasets import encode, load_prompts
 from specfork.speculative.auto_k import FIRST_PROBE, PROBE_EVERY, AutoK
 
 
-def probes_without_k_plus_one(self, batch=1):
-    """AutoK.ks_for_round as it was: a speculating run probed only plain decoding."""
-    self.rounds += 1
-    if batch != self.current.batch:
-        self._replan(batch)
-    if self.rounds % PROBE_EVERY != FIRST_PROBE:
-        return [self.current.k] * batch
-    if self.current.k > 0:
-        return [0] * batch
-    turn = self.rounds // PROBE_EVERY % batch
-    return [int(i == turn) for i in range(batch)]
+def without_k_plus_one_probes(auto: AutoK) -> None:
+    """Make ``auto`` probe as k auto did before: while speculating, plain decoding only."""
+    current = auto.ks_for_round
+
+    def ks_for_round(batch: int = 1) -> list[int]:
+        ks = current(batch)
+        k = auto.current.k  # after any replanning the call did
+        probe = auto.rounds % PROBE_EVERY == FIRST_PROBE
+        return [0] * batch if probe and k > 0 and ks == [k + 1] * batch else ks
+
+    auto.ks_for_round = ks_for_round
 
 
 def main(num_prompts: int, passes: int, factor: float) -> None:
@@ -40,7 +39,7 @@ def main(num_prompts: int, passes: int, factor: float) -> None:
     for name, llm in engines.items():
         auto = AutoK(costs)
         if name == "before":
-            auto.ks_for_round = types.MethodType(probes_without_k_plus_one, auto)
+            without_k_plus_one_probes(auto)
         llm.engine.step_strategy.auto_k = autos[name] = auto
     params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
     for dataset in ("humaneval", "sharegpt"):
