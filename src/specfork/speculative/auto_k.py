@@ -28,8 +28,9 @@ rate known: ``k auto`` falls back to it whenever speculation does not pay. Every
 speculating runs k + 1 instead, so that a longer window gets a measured time too. The step times
 are measured once, in a fraction of a second; on a busy machine they can price the longer windows
 up to twice too high, and a k that is never run borrows the correction of the nearest one that
-is, so without these probes k auto never found out (it stayed at k = 1 for a whole run; the
-probes took SD 3-15% faster there, and level where the measurement was right: docs/decisions.md).
+is, so without these probes k auto never found out (it stayed at k = 1 through a benchmark run;
+from a table priced 2x too high the probes took SD 3-15% faster, and were level with the old
+probing where the measurement was right: docs/decisions.md).
 """
 
 from __future__ import annotations
