@@ -8,7 +8,7 @@ sees the same text):
 
 Prints, per dataset and setting, over every response position: mean and 99th-percentile
 KL(p_fp32 || p_setting) in nats, the share of positions whose top-1 token equals fp32's, and the
-mean |logit error| relative to the row's largest |logit|. (llama.cpp's `perplexity
+mean over positions of the largest |logit error| relative to the largest |logit| there. (llama.cpp's `perplexity
 --kl-divergence` reports the same kind of numbers for its quantisations.) Timing-free.
 """
 
@@ -47,9 +47,10 @@ def main(num_prompts: int) -> None:
             tokens = prompt + out.token_ids[:-1]
             ref = all_logits(reference, tokens, len(prompt) - 1)
             log_p = torch.log_softmax(ref, -1)
+            p = log_p.exp()
             for w in SETTINGS:
                 got = all_logits(engines[w], tokens, len(prompt) - 1)
-                kl = (log_p.exp() * (log_p - torch.log_softmax(got, -1))).sum(-1)
+                kl = (p * (log_p - torch.log_softmax(got, -1))).sum(-1)
                 stats[w]["kl"].append(kl)
                 stats[w]["top1"].append((got.argmax(-1) == ref.argmax(-1)).float())
                 stats[w]["err"].append((got - ref).abs().amax(-1) / ref.abs().amax(-1))
