@@ -45,3 +45,31 @@ def test_ngram_sd_equals_ar_on_humaneval(ar_det):
     outs = sd.generate(prompts, params)
     assert [o.token_ids for o in outs] == ar
     assert sum(o.metrics["draft_tokens_accepted"] for o in outs) > 10
+
+
+SPLIT_CHARACTERS = "Trees 🌳🌳 and 日本語 ∑ x²"
+
+
+def test_token_bytes_join_into_the_text_where_tokens_split_characters(ar_det):
+    tok = ar_det.engine.tokenizer
+    ids = tok.encode(SPLIT_CHARACTERS)
+    assert any("\ufffd" in tok.decode([i]) for i in ids)  # decoding token by token loses bytes here
+    assert b"".join(tok.token_bytes(i) for i in ids) == SPLIT_CHARACTERS.encode("utf-8")
+
+
+def test_completion_text_offsets_are_each_tokens_character_in_the_text(ar_det):
+    from specfork.serve.responses import TextCursor, TokenNames, completion_logprobs
+
+    ids = ar_det.engine.tokenizer.encode(SPLIT_CHARACTERS)
+    names = TokenNames(ar_det.engine.tokenizer)
+    utf8 = SPLIT_CHARACTERS.encode("utf-8")
+    starts = [sum(len(names.bytes(t)) for t in ids[:i]) for i in range(len(ids))]  # each token's first byte
+    # the character holding that byte: the characters wholly before it
+    expected = [len(utf8[:b].decode("utf-8", errors="ignore")) for b in starts]
+    assert completion_logprobs(names, [(None, t) for t in ids], TextCursor())["text_offset"] == expected
+    # streamed in pieces, one cursor going on from chunk to chunk: the same offsets
+    cursor, pieces = TextCursor(), []
+    for chunk in (ids[:3], ids[3:4], ids[4:]):
+        pieces += completion_logprobs(names, [(None, t) for t in chunk], cursor)["text_offset"]
+    assert pieces == expected
+    assert max(expected) < len(SPLIT_CHARACTERS) and expected != list(range(len(ids)))

@@ -173,6 +173,9 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": []}), "messages"),
     ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}), "role"),
     ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": "hello"}), "messages"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}),
+     "stream_options is only allowed with stream: true"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": None}), "prompt"),  # a required field stays required
 ]
 
 
@@ -202,6 +205,63 @@ def test_metrics_are_prometheus_text(server):
                  "specfork_kv_cache_usage"):
         assert re.search(rf"^{name}(\{{[^}}]*\}})? \S+$", text, re.M), name
     assert server.metric("specfork_generation_tokens_total") > 0
+
+
+def test_optional_fields_sent_as_null_take_their_defaults(server):
+    """The OpenAI API's optional fields are nullable, and clients send null for them."""
+    nulls = {"temperature": None, "top_p": None, "n": None, "stream": None, "echo": None, "logprobs": None,
+             "stop": None, "seed": None, "stream_options": None, "top_k": None, "ignore_eos": None}
+    greedy = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}
+    status, reply = server.post("/v1/completions", json.dumps({**greedy, **nulls, "temperature": 0}))
+    assert status == 200, reply
+    assert reply["choices"][0]["text"] == server.post("/v1/completions", json.dumps(greedy))[1]["choices"][0]["text"]
+    assert len(reply["choices"]) == 1 and reply["choices"][0]["logprobs"] is None
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "logprobs": None,
+            "top_logprobs": None, "max_completion_tokens": None, "temperature": None, "n": None}
+    status, reply = server.post("/v1/chat/completions", json.dumps(chat))
+    assert status == 200 and reply["choices"][0]["logprobs"] is None, reply
+
+
+def test_model_card_and_openai_error_bodies_for_unknown_routes(server):
+    assert server.client().models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        server.client().models.retrieve("gpt-9")
+    status, text = server.get("/v1/nope")
+    assert status == 404 and json.loads(text)["error"]["message"] == "no such route: GET /v1/nope", text
+    status, text = server.get("/v1/completions")
+    assert status == 405 and "method not allowed" in json.loads(text)["error"]["message"], text
+
+
+def _errors_500(server) -> float:
+    match = re.search(r'^specfork_request_errors_total\{status="500"\} (\S+)$', server.get("/metrics")[1], re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_a_client_leaving_before_its_body_ends_is_a_disconnect_not_an_error(server):
+    errors, left = _errors_500(server), server.metric("specfork_client_disconnects_total")
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"model\":")
+    deadline = time.monotonic() + 30
+    while server.metric("specfork_client_disconnects_total") == left and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert server.metric("specfork_client_disconnects_total") == left + 1
+    assert _errors_500(server) == errors
+    assert not any("Traceback" in line for line in server.log), server.log[-20:]
+    assert server.post("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}))[0] == 200
+
+
+def test_echoed_text_offsets_follow_characters_split_over_tokens(server, offline):
+    prompt = "Trees 🌳🌳 and 日本語"
+    status, reply = server.post("/v1/completions", json.dumps(
+        {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1}))
+    assert status == 200, reply
+    tok = offline.engine.tokenizer
+    ids = tok.encode(prompt)
+    starts = [sum(len(tok.token_bytes(t)) for t in ids[:i]) for i in range(len(ids))]
+    expected = [len(prompt.encode()[:b].decode("utf-8", errors="ignore")) for b in starts]
+    assert reply["choices"][0]["logprobs"]["text_offset"][: len(ids)] == expected
 
 
 def _raw_post(server, headers: str, body_parts=()) -> bytes:

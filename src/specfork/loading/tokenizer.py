@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import json
 import logging
-from functools import cached_property
+import re
+from functools import cache, cached_property
 from pathlib import Path
 
 from specfork.errors import ModelLoadError, PromptError
@@ -45,6 +46,9 @@ _SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLA
            "smaug-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
 # Names whose vocabularies use GPT-2's own byte-level split.
 _GPT2_SPLIT_NAMES = {None, "default", "gpt2", "smollm"}
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback tokens
 
 
 class Tokenizer:
@@ -114,6 +118,24 @@ class Tokenizer:
         if self._via_transformers:
             return self._hf.decode(ids, skip_special_tokens=skip_special_tokens)
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for. A token may hold part of a character (byte-level BPE
+        splits an emoji or a CJK character over tokens; SentencePiece falls back to ``<0xNN>``
+        tokens), which decoding alone turns into U+FFFD: its raw bytes come from its vocabulary
+        entry instead, so that a text's tokens' bytes join into the text's UTF-8."""
+        text = self.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text.encode("utf-8")
+        raw = self._hf.convert_ids_to_tokens(token_id) if self._via_transformers else self._backend.id_to_token(token_id)
+        if raw is None:
+            return text.encode("utf-8")
+        if match := _BYTE_TOKEN.fullmatch(raw):
+            return bytes([int(match.group(1), 16)])
+        symbols = _byte_of_symbol()
+        if all(c in symbols for c in raw):
+            return bytes(symbols[c] for c in raw)
+        return text.encode("utf-8")
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         if not self.has_chat_template():
@@ -245,6 +267,12 @@ def _through_transformers(path: Path) -> Tokenizer | None:
     except Exception as e:
         logger.warning("cannot build a tokenizer from %s (%s); only token-id prompts can be used", path, e)
         return None
+
+
+@cache
+def _byte_of_symbol() -> dict[str, int]:
+    """byte_alphabet read backwards: the byte each symbol stands for."""
+    return {symbol: b for b, symbol in byte_alphabet().items()}
 
 
 def byte_alphabet() -> dict[int, str]:

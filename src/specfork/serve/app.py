@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from specfork.outputs import RequestOutput
 from specfork.serve.engine_loop import (
@@ -90,6 +92,14 @@ def build_app(loop: EngineLoop, metrics: ServerMetrics, options: AppOptions) -> 
         metrics.request_failed(error.status)
         return error_response(error)
 
+    @app.exception_handler(HTTPException)
+    async def _routing_error(request: Request, error: HTTPException) -> JSONResponse:
+        # An unknown route (404) or method (405): the OpenAI error body, so clients show the message.
+        reason = {404: "no such route", 405: "method not allowed on this route"}.get(error.status_code, error.detail)
+        metrics.request_failed(error.status_code)
+        return error_response(ApiError(error.status_code, f"{reason}: {request.method} {request.url.path}",
+                                       headers=dict(error.headers) if error.headers else None))
+
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, error: Exception) -> JSONResponse:
         logger.error("unexpected error", exc_info=error)
@@ -119,15 +129,22 @@ def build_app(loop: EngineLoop, metrics: ServerMetrics, options: AppOptions) -> 
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
 
+    card = {"id": served, "object": "model", "created": created, "owned_by": "specfork",
+            "max_model_len": engine.max_model_len, "vocab_size": engine.loaded.arch.vocab_size}
+
     @v1.get("/models")
     async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [{
-            "id": served, "object": "model", "created": created, "owned_by": "specfork",
-            "max_model_len": engine.max_model_len, "vocab_size": engine.loaded.arch.vocab_size,
-        }]})
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @v1.get("/models/{model:path}")
+    async def model(model: str) -> JSONResponse:
+        if model != served:
+            raise ApiError(404, f"the model '{model}' does not exist; this server serves '{served}'",
+                           param="model", code="model_not_found")
+        return JSONResponse(card)
 
     async def generate(request: Request, prepare, prefix: str) -> Response | dict:
-        raw = await read_body(request, options.max_request_bytes)
+        raw = await read_body(request, options.max_request_bytes, metrics)
         job: Job = await asyncio.to_thread(prepare, raw, engine, served)
         group = await admit(loop, job)
         rid, now = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
@@ -152,7 +169,7 @@ def build_app(loop: EngineLoop, metrics: ServerMetrics, options: AppOptions) -> 
 # ---- request handling -----------------------------------------------------------------------------
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, metrics: ServerMetrics) -> bytes:
     """The body, refused with 413 as soon as it is known to exceed ``limit`` bytes: from its
     Content-Length before reading anything, else while it streams in."""
     declared = request.headers.get("content-length")
@@ -165,11 +182,15 @@ async def read_body(request: Request, limit: int) -> bytes:
         except ValueError:
             raise ApiError(400, "Content-Length is not a number") from None
     parts, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            raise too_large
-        parts.append(part)
+    try:
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise too_large
+            parts.append(part)
+    except ClientDisconnect:  # the client went away before sending its whole body
+        metrics.client_disconnected()
+        raise ApiError(499, "the client disconnected before sending the whole request body") from None
     return b"".join(parts)
 
 

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticUndefined
 
 from specfork.sampling_params import MAX_LOGPROBS
 
@@ -75,11 +84,29 @@ class GenerationRequest(BaseModel):
     user: str | None = None
     return_token_ids: bool = Field(False, description="add the generated token ids to each choice (extension)")
 
-    @model_validator(mode="after")
-    def _supported(self):
-        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, body: object) -> object:
+        """An optional field sent as null takes its default, as in the OpenAI API (whose optional
+        fields are all nullable: clients and wrappers send ``"temperature": null``). Required
+        fields stay as sent, so a null one is still refused."""
+        if not isinstance(body, dict):
+            return body
+        optional = {name for name, f in cls.model_fields.items() if f.default is not PydanticUndefined}
+        return {k: v for k, v in body.items() if v is not None or k not in optional}
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else (stop or [])
         if len(stops) > 4 or any(not s for s in stops):
             raise ValueError("stop must be up to 4 non-empty strings")
+        return stop
+
+    @model_validator(mode="after")
+    def _supported(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")
         for name, neutral in _NEUTRAL.items():
             value = (self.model_extra or {}).get(name)
             if name == "best_of" and value == self.n:
@@ -102,16 +129,17 @@ class CompletionRequest(GenerationRequest):
     def top_logprobs_wanted(self) -> int | None:
         return self.logprobs
 
-    @model_validator(mode="after")
-    def _one_prompt(self):
-        if isinstance(self.prompt, list):
-            if not self.prompt:
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt: str | list[int] | list[str]) -> str | list[int]:
+        if isinstance(prompt, list):
+            if not prompt:
                 raise ValueError("prompt is empty")
-            if isinstance(self.prompt[0], str):
-                if len(self.prompt) != 1:
+            if isinstance(prompt[0], str):
+                if len(prompt) != 1:
                     raise ValueError("send one prompt per request (batched prompts are not supported)")
-                self.prompt = self.prompt[0]
-        return self
+                return prompt[0]
+        return prompt
 
 
 class TextPart(BaseModel):

@@ -3,6 +3,7 @@ log-probabilities in the completions and chat formats."""
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 
 from specfork.outputs import RequestOutput, TokenLogprob
@@ -20,16 +21,36 @@ class TokenNames:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def bytes(self, token_id: int) -> bytes:
+        """The token's own bytes (part of a character for some tokens; see Tokenizer.token_bytes)."""
+        if self.tokenizer is None:
+            return self(token_id).encode("utf-8")
+        return self.tokenizer.token_bytes(token_id)
 
-def completion_logprobs(names: TokenNames, entries: Sequence[TokenLogprob | None], offset: int = 0) -> dict:
-    """The completions API's ``logprobs`` object. An entry of None (the first prompt token under
-    ``echo``) has no log-probability. ``top_logprobs`` holds the alternatives plus the chosen token."""
+
+class TextCursor:
+    """Where the next token starts in a choice's text, in characters: its tokens' bytes decoded as
+    they come, so a character split over tokens counts once, when it is complete (the offset of a
+    token that starts inside a character is that character's)."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.position = 0
+
+    def advance(self, token_bytes: bytes) -> None:
+        self.position += len(self._decoder.decode(token_bytes))
+
+
+def completion_logprobs(names: TokenNames, entries: Sequence[TokenLogprob | None], cursor: TextCursor) -> dict:
+    """The completions API's ``logprobs`` object; ``text_offset`` from ``cursor``, which moves past
+    the tokens. An entry of None (the first prompt token under ``echo``) has no log-probability.
+    ``top_logprobs`` holds the alternatives plus the chosen token."""
     tokens, token_logprobs, top, offsets = [], [], [], []
     for entry, token_id in entries:
         name = names(token_id)
         tokens.append(name)
-        offsets.append(offset)
-        offset += len(name)
+        offsets.append(cursor.position)
+        cursor.advance(names.bytes(token_id))
         if entry is None:
             token_logprobs.append(None)
             top.append(None)
@@ -46,15 +67,16 @@ def chat_logprobs(names: TokenNames, entries: Sequence[TokenLogprob]) -> dict:
 
     def item(token_id: int, logprob: float) -> dict:
         name = names(token_id)
-        return {"token": name, "logprob": logprob, "bytes": list(name.encode("utf-8"))}
+        return {"token": name, "logprob": logprob, "bytes": list(names.bytes(token_id))}
 
     content = [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]
     return {"content": content, "refusal": None}
 
 
 def output_logprobs(names: TokenNames, job: Job, entries: Sequence[TokenLogprob] | None,
-                    prompt: Sequence[TokenLogprob] | None = None, offset: int = 0) -> dict | None:
-    """The ``logprobs`` of one choice (or of one stream chunk); None when not asked for."""
+                    prompt: Sequence[TokenLogprob] | None = None, cursor: TextCursor | None = None) -> dict | None:
+    """The ``logprobs`` of one choice (or of one stream chunk, ``cursor`` going on from the
+    choice's earlier chunks); None when not asked for."""
     if entries is None:
         return None
     if job.chat:
@@ -62,7 +84,7 @@ def output_logprobs(names: TokenNames, job: Job, entries: Sequence[TokenLogprob]
     pairs = [(e, e.token_id) for e in entries]
     if prompt is not None:
         pairs = [(None, job.prompt_ids[0])] + [(e, e.token_id) for e in prompt] + pairs
-    return completion_logprobs(names, pairs, offset)
+    return completion_logprobs(names, pairs, cursor or TextCursor())
 
 
 def usage(prompt_len: int, outputs: Sequence[RequestOutput]) -> dict:
@@ -94,7 +116,7 @@ class ChunkMaker:
 
     def __init__(self, job: Job, rid: str, created: int, model: str, names: TokenNames) -> None:
         self.job, self.names = job, names
-        self.offsets = [0] * len(job.params)  # completions: text offset reached by each choice
+        self.cursors = [TextCursor() for _ in job.params]  # completions: each choice's text offset
         self.head = {"id": rid, "object": "chat.completion.chunk" if job.chat else "text_completion",
                      "created": created, "model": model}
 
@@ -107,7 +129,7 @@ class ChunkMaker:
     def echo(self, index: int, prompt_logprobs: Sequence[TokenLogprob] | None) -> dict:
         logprobs = None
         if self.job.body.logprobs is not None:
-            logprobs = self._advance(index, output_logprobs(self.names, self.job, [], prompt_logprobs or []))
+            logprobs = output_logprobs(self.names, self.job, [], prompt_logprobs or [], self.cursors[index])
         return self.choice(index, self.job.echo_text or "", logprobs=logprobs)
 
     def choice(self, index: int, text: str | None, *, finish_reason: str | None = None,
@@ -124,13 +146,8 @@ class ChunkMaker:
                                           "finish_reason": finish_reason, **extra}]}
 
     def piece(self, index: int, text: str, token_ids: list[int], logprobs: Sequence[TokenLogprob] | None) -> dict:
-        formatted = output_logprobs(self.names, self.job, logprobs, offset=self.offsets[index])
-        return self.choice(index, text, token_ids=token_ids, logprobs=self._advance(index, formatted))
-
-    def _advance(self, index: int, logprobs: dict | None) -> dict | None:
-        if logprobs is not None and not self.job.chat:
-            self.offsets[index] += sum(len(t) for t in logprobs["tokens"])
-        return logprobs
+        formatted = output_logprobs(self.names, self.job, logprobs, cursor=self.cursors[index])
+        return self.choice(index, text, token_ids=token_ids, logprobs=formatted)
 
     def usage(self, outputs: Sequence[RequestOutput]) -> dict:
         return {**self.head, "choices": [], "usage": usage(len(self.job.prompt_ids), outputs)}
