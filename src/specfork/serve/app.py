@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API over one shared :class:`EngineLoop`.
 
-Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streaming with SSE and
+Routes: GET /v1/models (and /v1/models/{id}), POST /v1/completions, POST /v1/chat/completions (streaming with SSE and
 ``data: [DONE]``, or not), GET /health, GET /metrics (Prometheus text). With an API key, every
 /v1 route wants ``Authorization: Bearer <key>``.
 
