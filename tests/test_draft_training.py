@@ -10,13 +10,14 @@ from helpers import prefill_logits as runner_prefill_logits
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specfork import LLM, SamplingParams
+from specfork.errors import SpecforkError
 from specfork.loading.gguf_file import GGUFFile
 from specfork.loading.resolve import resolve_checkpoint
 from specfork.loading.tokenizer import load_gguf_tokenizer
 from specfork.speculative.corpus import load_corpus
 from specfork.training.data import load_examples, training_prompts
 from specfork.training.pipeline import train_draft
-from specfork.training.settings import DataSettings, DraftArch, TrainDraftJob, TrainSettings
+from specfork.training.settings import DataSettings, DraftArch, Eagle3Settings, TrainDraftJob, TrainSettings
 from specfork.training.trainer import DraftTrainer, build_draft, is_eval_example
 
 
@@ -285,3 +286,28 @@ def test_export_gguf_refuses_a_vocabulary_that_does_not_match(tiny_checkpoints, 
     with pytest.raises(SpecforkError, match="49152 tokens but the model's vocabulary is 256"):
         export_gguf(tiny_checkpoints["llama-gqa-tied"].path, tmp_path / "x.gguf", vocab_from="smollm2-135m")
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_an_output_that_saving_would_destroy_is_refused_before_any_work(tmp_path):
+    foreign = tmp_path / "models"
+    (foreign / "other").mkdir(parents=True)
+    (foreign / "other" / "weights.bin").write_bytes(b"x")
+    with pytest.raises(SpecforkError, match="not a train-draft result"):
+        TrainDraftJob(output=foreign)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SpecforkError, match="is a file"):
+        TrainDraftJob(output=tmp_path / "file")
+    earlier = tmp_path / "draft"  # an earlier result is replaced (a run resumed or redone)
+    earlier.mkdir()
+    (earlier / "specfork_draft.json").write_text("{}")
+    assert TrainDraftJob(output=earlier).output == earlier
+    assert TrainDraftJob(output=tmp_path / "empty").work_dir == tmp_path / "empty.work"
+
+
+def test_options_of_the_other_kind_and_a_missing_init_head_are_refused(tmp_path):
+    with pytest.raises(SpecforkError, match="--ttt-steps only apply to --kind eagle3"):
+        TrainDraftJob(output=tmp_path / "d", kind="draft", eagle3=Eagle3Settings(ttt_steps=3))
+    with pytest.raises(SpecforkError, match="--layers only apply to --kind draft"):
+        TrainDraftJob(output=tmp_path / "d", kind="eagle3", arch=DraftArch(num_layers=2))
+    with pytest.raises(SpecforkError, match="not an EAGLE-3 head directory"):
+        Eagle3Settings(init_head=tmp_path / "nonexistent")

@@ -38,6 +38,11 @@ def option(
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
 
 
+def flag_of(f: dataclasses.Field) -> str:
+    """The command-line flag of an option field (``--field-name`` unless ``flag`` says otherwise)."""
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
 def int_or_auto(text: str) -> int | str:
     """An integer, or the word auto."""
     return _number_or_auto(text, int, "an integer", "auto")

@@ -8,6 +8,8 @@ import argparse
 import dataclasses
 from typing import Any
 
+from specfork.options import flag_of
+
 _TYPES = {"int": int, "float": float, "str": str}
 
 
@@ -31,7 +33,7 @@ def add_options(parser: argparse.ArgumentParser, cls: type, *, exclude: tuple[st
         if heading not in groups:
             groups[heading] = parser.add_argument_group(heading) if heading else parser
         default = defaults.get(f.name, _default(f))
-        flag = meta.get("flag") or "--" + f.name.replace("_", "-")
+        flag = flag_of(f)
         kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": _help(meta.get("help", ""), default)}
         if meta.get("flag"):
             kwargs["metavar"] = flag.lstrip("-").replace("-", "_").upper()

@@ -3,12 +3,12 @@ Importing it costs nothing (no torch), so ``specfork --help`` stays fast."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from specfork.config import DEFAULT_MODEL
 from specfork.errors import SpecforkError
-from specfork.options import int_or_auto, option
+from specfork.options import flag_of, int_or_auto, option
 
 DATA, ARCH, TRAIN, EVAL = 'data (target responses)', 'draft architecture', 'training', 'final evaluation'
 EAGLE3 = 'EAGLE-3 head (--kind eagle3)'
@@ -130,6 +130,8 @@ class Eagle3Settings:
         if self.reselect_draft_vocab and self.init_head is None:
             raise SpecforkError("--reselect-draft-vocab re-chooses the vocabulary of the --init-head head; give "
                                 "--init-head too (a new head always chooses its vocabulary)")
+        if self.init_head is not None and not (Path(self.init_head) / "config.json").is_file():
+            raise SpecforkError(f"--init-head {self.init_head}: not an EAGLE-3 head directory (no config.json there)")
         if self.draft_vocab_corpus is not None and not Path(self.draft_vocab_corpus).is_file():
             raise SpecforkError(f"--draft-vocab-corpus {self.draft_vocab_corpus}: no such file (a lookup corpus "
                                 "written by train-draft, WORK_DIR/lookup_corpus.npz)")
@@ -169,3 +171,19 @@ class TrainDraftJob:
         object.__setattr__(self, "work_dir", Path(self.work_dir))
         if self.generation_batch < 1 or self.eval_tokens < 1 or self.eval_prompts < 0:
             raise SpecforkError("generation_batch and eval_tokens must be >= 1, eval_prompts >= 0")
+        check_output_directory(self.output)
+        other, unused = (self.eagle3, Eagle3Settings()) if self.kind == "draft" else (self.arch, DraftArch())
+        changed = [flag_of(f) for f in fields(other) if getattr(other, f.name) != getattr(unused, f.name)]
+        if changed:
+            needs = "--kind eagle3" if self.kind == "draft" else "--kind draft (an EAGLE-3 head takes the target's shape)"
+            raise SpecforkError(f"{', '.join(changed)} only apply to {needs}")
+
+
+def check_output_directory(output: Path) -> None:
+    """Refuse, before any work, an output that saving would destroy or cannot create: a file, or a
+    directory holding anything but an earlier train-draft result (saving replaces the directory)."""
+    if output.exists() and not output.is_dir():
+        raise SpecforkError(f"--output {output} is a file; give a directory to create")
+    if output.is_dir() and any(output.iterdir()) and not (output / "specfork_draft.json").is_file():
+        raise SpecforkError(f"--output {output} already holds files that are not a train-draft result; saving "
+                            "replaces the whole directory, so give a new or empty one")
