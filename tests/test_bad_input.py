@@ -128,6 +128,10 @@ def test_bad_config_json(tmp_path):
 @pytest.mark.parametrize("options, field", [
     ({"block_size": 0}, "block_size"), ({"device": "tpu"}, "device"), ({"max_num_seqs": -1}, "max_num_seqs"),
     ({"dtype": "bfloat16"}, "dtype"), ({"bogus": 1}, "bogus"),
+    ({"threads": 100_000}, "threads must be at most"),  # OpenMP segfaulted
+    ({"mode": "ssd", "target_cores": "0", "draft_cores": "0-1"}, "overlap"),
+    ({"mode": "ssd", "drafter_timeout_s": 0}, "--drafter-timeout"),
+    ({"mode": "sd", "drafter": "ngram", "lookup_first": 2}, "already is prompt lookup"),
 ])
 def test_bad_engine_options(tiny_dir, options, field):
     with pytest.raises(SpecforkError, match=field):
@@ -143,7 +147,8 @@ def test_cli_unknown_model():
 
 
 def test_cli_invalid_sampling_values(tiny_dir):
-    for flags, field in ((["--temperature", "-1"], "temperature"), (["--top-p", "0"], "top_p"),
+    for flags, field in ((["--temperature", "-1"], "temperature"), (["--temperature", "nan"], "temperature"),
+                         (["--top-p", "0"], "top_p"),
                          (["--top-p", "1.5"], "top_p"), (["--max-tokens", "0"], "max_tokens")):
         r = run_main("generate", "--model", str(tiny_dir), "--prompt", "hi", *flags)
         assert r.returncode == 2 and field in r.stderr and "Traceback" not in r.stderr, r.stderr
@@ -256,3 +261,13 @@ def test_generate_with_a_seed_is_reproducible_and_follows_the_seed(tiny_dir, tmp
     assert len(first) == 2 and all(len(ids) == 12 for ids in first)
     assert sample(3) == first
     assert any(sample(s) != first for s in (4, 5, 6))
+
+
+def test_cli_output_paths_that_cannot_be_written_are_refused_before_any_work(tmp_path, tiny_dir):
+    r = run_main("generate", "--model", str(tiny_dir), "--prompt", "hi", "--output", str(tmp_path / "no" / "o.jsonl"))
+    assert r.returncode == 2 and "does not exist" in r.stderr and not r.stdout, (r.stdout, r.stderr)
+    r = run_main("generate", "--model", str(tiny_dir), "--prompt", "hi", "--output", str(tmp_path))
+    assert r.returncode == 2 and "is a directory" in r.stderr and not r.stdout
+    (tmp_path / "file").write_text("x")
+    r = run_main("bench", "--model", str(tiny_dir), "--modes", "ar", "--out", str(tmp_path / "file"))
+    assert r.returncode == 2 and "is a file; give a directory" in r.stderr and not r.stdout

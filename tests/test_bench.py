@@ -23,7 +23,7 @@ from specfork.bench.report import (
     write_all,
 )
 from specfork.bench.runner import parse_sweep, run_benchmark
-from specfork.bench.settings import BenchSettings
+from specfork.bench.settings import BenchSettings, dataset_list
 from specfork.cli import main
 from specfork.errors import SpecforkError
 
@@ -236,6 +236,15 @@ def test_sweep_grid_and_errors():
         BenchSettings(k="three")
     with pytest.raises(SpecforkError, match="device must be 'cpu' or 'cuda"):
         BenchSettings(device="tpu")
+    with pytest.raises(SpecforkError, match="k: given twice"):
+        parse_sweep("k=2;k=3")  # the second used to replace the first silently
+    with pytest.raises(SpecforkError, match="--datasets needs at least one"):
+        BenchSettings(datasets=())
+    assert BenchSettings(datasets=dataset_list("sharegpt, sharegpt,humaneval")).datasets == ("sharegpt", "humaneval")
+    # a sweep point's dataset is validated like --datasets, before any model loads (a traceback before)
+    for sweep, message in (("dataset=random", "random dataset needs --input-len"), ("dataset=foo", "unknown datasets")):
+        with pytest.raises(SpecforkError, match=message):
+            run_benchmark(BenchSettings(modes=("ar",)), parse_sweep(sweep), progress=False)
 
 
 def test_bench_runs_specfork_on_the_chosen_device():

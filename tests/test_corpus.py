@@ -110,8 +110,13 @@ def test_the_file_round_trips_and_another_vocabulary_is_refused(tmp_path):
     with pytest.raises(SpecforkError, match="vocabulary of 10 tokens; the target has 12"):
         load_corpus(path, 12)
     (tmp_path / "bad.npz").write_bytes(b"not a corpus")
-    with pytest.raises(SpecforkError, match="cannot read the lookup corpus"):
+    with pytest.raises(SpecforkError, match="is not a lookup corpus"):
         load_corpus(tmp_path / "bad.npz", 10)
+    np.save(tmp_path / "objects.npy", np.array([{"a": 1}], dtype=object))  # pickled data: refused, never unpickled
+    with pytest.raises(SpecforkError, match="is not a lookup corpus"):
+        load_corpus(tmp_path / "objects.npy", 10)
+    with pytest.raises(SpecforkError, match="does not exist"):
+        load_corpus(tmp_path / "missing.npz", 10)
 
 
 class FixedDraft(StatelessProposer):

@@ -26,6 +26,7 @@ QUANTIZE = ("int4",)
 QUANTIZE_GROUPS = (32, 64, 128)
 K_MAX = 8  # the most tokens k "auto" may propose in a round
 SSD_DEFAULT_K = 5  # SSD's k when none is given (SD's is "auto")
+MAX_THREADS = 1024  # --threads beyond this crashes OpenMP (thread creation fails, or a segfault)
 
 
 ENGINE, SPECULATIVE, SSD = "engine", "speculative decoding", "SSD (--mode ssd)"
@@ -178,6 +179,9 @@ class Config:
             _positive("max_model_len", self.max_model_len)
         if self.threads is not None:
             _positive("threads", self.threads)
+            if self.threads > MAX_THREADS:
+                raise SpecforkError(f"threads must be at most {MAX_THREADS}, got {self.threads} (one per core is "
+                                    "what decoding wants)")
         if self.mode not in MODES:
             raise SpecforkError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.drafter not in DRAFTERS:
@@ -225,14 +229,17 @@ class Config:
         if self.drafter_device is not None and self.drafter_device.split(":")[0] not in ("cpu", "cuda"):
             raise SpecforkError(f"drafter_device must be 'cpu' or 'cuda[:N]', got {self.drafter_device!r}")
         self._check_distributed()
-        for name in ("target_cores", "draft_cores"):
-            if getattr(self, name) is not None:
-                parse_cores(getattr(self, name), name)
+        cores = {name: parse_cores(getattr(self, name), name) for name in ("target_cores", "draft_cores")
+                 if getattr(self, name) is not None}
+        if len(cores) == 2 and set(cores["target_cores"]) & set(cores["draft_cores"]):
+            raise SpecforkError(f"target_cores ({self.target_cores}) and draft_cores ({self.draft_cores}) overlap: "
+                                "SSD's drafter runs beside the target, on cores of its own")
         if self.drafter_timeout_s is not None and (
             not isinstance(self.drafter_timeout_s, (int, float)) or isinstance(self.drafter_timeout_s, bool)
             or not self.drafter_timeout_s > 0
         ):
-            raise SpecforkError(f"drafter_timeout_s must be > 0 or None (adaptive), got {self.drafter_timeout_s!r}")
+            raise SpecforkError(f"drafter timeout (--drafter-timeout) must be a number of seconds > 0 or auto, got "
+                                f"{self.drafter_timeout_s!r}")
         if self.weights not in WEIGHTS:
             raise SpecforkError(f"weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
         if self.quantize is not None and self.quantize not in QUANTIZE:
@@ -248,6 +255,9 @@ class Config:
             raise SpecforkError(f"lookup_first must be an integer >= 0 (0: off), got {n!r}")
         if n == 0:
             return
+        if self.mode == "sd" and self.drafter == "ngram":
+            raise SpecforkError("lookup_first does nothing with --drafter ngram, which already is prompt lookup "
+                                "alone; leave it out")
         if self.mode != "sd" or self.drafter != "draft":
             raise SpecforkError("lookup_first puts prompt lookup before a draft model or EAGLE-3 head in SD "
                                 "(--mode sd --drafter draft); for lookup alone use --drafter ngram")

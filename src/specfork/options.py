@@ -72,5 +72,5 @@ def on_off(text: str) -> bool:
 
 
 def comma_list(text: str) -> tuple[str, ...]:
-    """"a, b,c" -> ("a", "b", "c")."""
-    return tuple(part.strip() for part in text.split(",") if part.strip())
+    """"a, b,c" -> ("a", "b", "c"); a repeated item counts once ("a,a" -> ("a",))."""
+    return tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))

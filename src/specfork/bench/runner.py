@@ -42,6 +42,8 @@ def parse_sweep(spec: str | None) -> list[dict]:
         name = name.strip()
         if name not in SWEEPABLE:
             raise SpecforkError(f"cannot sweep {name!r}; sweepable: {', '.join(SWEEPABLE)}")
+        if any(axis[0][0] == name for axis in axes):
+            raise SpecforkError(f"sweep {name}: given twice; list its values once, e.g. {name}=2,3")
         try:
             axes.append([(name, SWEEPABLE[name](v)) for v in values.split(",")])
         except ValueError:
@@ -242,8 +244,10 @@ def run_benchmark(settings: BenchSettings, sweep: list[dict], progress: bool = T
 
     if settings.threads:
         torch.set_num_threads(settings.threads)
+    # Each point's settings, validated before anything runs (a point's dataset is its only one).
+    points = [(replace(settings, **{k: v for k, v in p.items() if k != "dataset"},
+                       **({"datasets": (p["dataset"],)} if "dataset" in p else {})), p) for p in sweep]
     bandwidth = {"before": read_bandwidth()} if settings.bandwidth else None
-    points = [(replace(settings, **{k: v for k, v in p.items() if k != "dataset"}), p) for p in sweep]
     cells = [(i, pt, d) for i, (pt, p) in enumerate(points)
              for d in ([p["dataset"]] if "dataset" in p else pt.datasets)]
     prompt_sets: dict[tuple, list[list[int]]] = {}

@@ -89,6 +89,8 @@ class BenchSettings:
                 raise SpecforkError(f"unknown {name} {bad}; choose from {', '.join(allowed)}")
         if not self.modes:
             raise SpecforkError("--modes needs at least one mode")
+        if not self.datasets:
+            raise SpecforkError(f"--datasets needs at least one of {', '.join(DATASETS)}")
         if self.k == "auto":
             if "ssd" in self.modes:
                 raise SpecforkError("k auto is for the sd and ngram modes (SSD's k also shapes the drafter's tree): "
@@ -116,4 +118,5 @@ class BenchSettings:
         if self.input_len is not None and self.input_len < 1:
             raise SpecforkError(f"input_len must be >= 1, got {self.input_len}")
         if "random" in self.datasets and self.input_len is None:
-            raise SpecforkError("the random dataset needs --input-len")
+            raise SpecforkError("the random dataset needs --input-len" + (" (--datasets all includes it)"
+                                                                          if set(self.datasets) == set(DATASETS) else ""))

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from specfork.bench.settings import SWEEPABLE, BenchSettings
 from specfork.cli import schema
+from specfork.cli.paths import check_output_directory
 
 HELP = "benchmark AR / SD / SSD / n-gram side by side (and peers): table, JSON, Markdown, PNG"
 DESCRIPTION = (
@@ -33,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
     from specfork.bench.runner import parse_sweep, run_benchmark
 
     settings = BenchSettings(**schema.values(args, BenchSettings))
+    check_output_directory(args.out, "--out")
     report = run_benchmark(settings, parse_sweep(args.sweep), progress=args.progress)
     m = report["machine"]
     gpu = f"; GPU: {m['cuda']}" if m.get("cuda") else ""

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from specfork.bench.serve_bench import ServeBenchSettings
 from specfork.cli import schema
+from specfork.cli.paths import check_output_directory
 
 HELP = "drive a running server with Poisson arrivals; latency and throughput per request rate"
 DESCRIPTION = (
@@ -30,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
     from specfork.bench.serve_bench import run_serve_benchmark, table, write_results
 
     settings = ServeBenchSettings(**schema.values(args, ServeBenchSettings))
+    check_output_directory(args.out, "--out")
     result = run_serve_benchmark(settings, progress=args.progress)
     print(table([result]))
     paths = write_results(result, args.out)

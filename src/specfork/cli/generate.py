@@ -10,6 +10,7 @@ from pathlib import Path
 
 from specfork.cli import schema
 from specfork.cli.parser import add_engine_options, engine_options
+from specfork.cli.paths import check_output_file
 from specfork.errors import PromptError, SpecforkError
 from specfork.sampling_params import SamplingParams
 
@@ -100,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"no --prompt given; using the demo prompt: {DEMO_PROMPT!r}", file=sys.stderr)
         args.prompt = DEMO_PROMPT
     params = SamplingParams(**schema.values(args, SamplingParams))
+    if args.output:
+        check_output_file(args.output, "--output")
     file_prompts = read_prompts_file(args.prompts_file) if args.prompts_file else None
     llm = LLM(**engine_options(args))
     if file_prompts is not None:

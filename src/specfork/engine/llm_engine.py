@@ -50,8 +50,9 @@ class LLMEngine:
         self.config = config
         if config.threads is not None and config.device == "cpu":
             torch.set_num_threads(config.threads)
-        if config.device.startswith("cuda") and not torch.cuda.is_available():
-            raise SpecforkError("device 'cuda' was requested but CUDA is not available")
+        for option, device in (("device", config.device), ("drafter_device", config.drafter_device)):
+            if device is not None and device.startswith("cuda") and not torch.cuda.is_available():
+                raise SpecforkError(f"{option} '{device}' was requested but CUDA is not available")
         self.device = torch.device(config.device)
         dtype = _DTYPES[config.torch_dtype_name]
         num_blocks = config.num_kv_blocks or -(-config.kv_cache_tokens // config.block_size)

@@ -128,10 +128,13 @@ def read_corpus_tokens(path: Path, vocab_size: int) -> np.ndarray:
     """The int32 tokens of the corpus file ``path`` (sequences separated by ``SEPARATOR``), refused
     unless it was written for a vocabulary of ``vocab_size``."""
     try:
-        with np.load(path) as data:
+        with np.load(path, allow_pickle=False) as data:
             tokens, saved_vocab = data["tokens"], int(data["vocab_size"])
-    except (OSError, KeyError, ValueError) as e:
-        raise SpecforkError(f"cannot read the lookup corpus {path}: {e}") from e
+    except FileNotFoundError:
+        raise SpecforkError(f"the lookup corpus {path} does not exist") from None
+    except (OSError, KeyError, ValueError, AttributeError, TypeError):
+        raise SpecforkError(f"{path} is not a lookup corpus (an .npz file with tokens and vocab_size, as "
+                            "train-draft writes WORK_DIR/lookup_corpus.npz)") from None
     if saved_vocab != vocab_size:
         raise SpecforkError(f"the lookup corpus {path} was written for a vocabulary of {saved_vocab} tokens; "
                             f"the target has {vocab_size}")
