@@ -47,6 +47,17 @@ def test_observed_acceptance_moves_the_choice():
     assert auto.summary().startswith(f"k={auto.current.k} ") and expected > plain and "ms" not in auto.summary()
 
 
+def test_the_summary_prices_the_choice_and_plain_decoding_at_the_same_moment():
+    """Plain decoding measured slower after the choice (a shared machine's pace moved) must not
+    show up against the choice's older price: `generate` printed "k=0 (... 209 tok/s expected
+    against 44 without speculation)"."""
+    costs = StepCosts(draft_s=0.001, verify_s=tuple(0.010 + 0.002 * (m - 1) for m in range(1, 10)))
+    auto = AutoK(costs)
+    before = auto.summary()
+    auto._overhead[(1, 0)] = 5.0  # measured since the last choice, which has not been revised yet
+    assert auto.summary() == before
+
+
 def test_plain_decoding_does_not_drift_back_to_speculating_without_evidence():
     """Acceptance 0.2, where speculating loses (it would pay at the fixed prior's 0.5): once k
     auto settles on k = 0, a long stretch of plain decoding must not bring speculation back on

@@ -271,3 +271,17 @@ def test_cli_output_paths_that_cannot_be_written_are_refused_before_any_work(tmp
     (tmp_path / "file").write_text("x")
     r = run_main("bench", "--model", str(tiny_dir), "--modes", "ar", "--out", str(tmp_path / "file"))
     assert r.returncode == 2 and "is a file; give a directory" in r.stderr and not r.stdout
+
+
+def test_cli_version_and_an_interrupt_on_its_own_line(monkeypatch):
+    r = run_main("--version")
+    assert r.returncode == 0 and r.stdout.startswith("specfork ") and r.stdout.split()[1][0].isdigit(), r.stdout
+    from specfork.cli import COMMANDS
+
+    def interrupted(args):
+        print("a streamed text without its newline", end="")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(COMMANDS["models"], "run", interrupted)
+    r = run_main("models")
+    assert r.returncode == 130 and r.stderr == "\ninterrupted\n"

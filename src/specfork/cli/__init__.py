@@ -31,6 +31,15 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LOG_LEVEL_HELP = "logging level: debug, info, warning, error, critical (default: warning)"
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("specfork")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="specfork",
@@ -38,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Run `specfork generate` to generate with the embedded SmolLM2-135M model.",
     )
     parser.add_argument("--log-level", default="WARNING", help=LOG_LEVEL_HELP)
+    parser.add_argument("--version", action="version", version=f"specfork {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, command in COMMANDS.items():
         epilog = getattr(command, "EPILOG", None)
@@ -70,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        sys.stdout.flush()
+        print("\ninterrupted", file=sys.stderr)  # on a line of its own, after any streamed text
         return 130
     except BrokenPipeError:  # the reader went away (`specfork models | head`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit

@@ -200,7 +200,9 @@ class AutoK:
         self._overhead: dict[tuple[int, int], float] = {}  # (batch, k) -> moving average of measured / modelled
         self._measured_at: dict[tuple[int, int], int] = {}  # (batch, k) -> the round of its last update
         self.rounds_by_k: Counter[str] = Counter()  # "k=N" (every sequence at k = N) or "probe" (mixed)
-        self.current = plan(costs, self.alpha, k_max)[0]
+        plans = plan(costs, self.alpha, k_max)
+        self.current = plans[0]
+        self.current_plain = next(p for p in plans if p.k == 0)  # plain decoding priced with the choice
         logger.info("k auto: %s", self.explain())
 
     @property
@@ -279,19 +281,20 @@ class AutoK:
 
     def _replan(self, batch: int) -> None:
         self._since_plan = 0
-        best = plan(self.costs, self.alpha, self.k_max, lambda k: self.overhead(k, batch), batch)[0]
+        plans = plan(self.costs, self.alpha, self.k_max, lambda k: self.overhead(k, batch), batch)
+        best = plans[0]
         if best.k != self.current.k:
             logger.info("k auto: k %d -> %d (%s)", self.current.k, best.k, self._why(best))
-        self.current = best
+        self.current, self.current_plain = best, next(p for p in plans if p.k == 0)
 
     def explain(self) -> str:
         """The current choice with everything it rests on (the start-up and change logs)."""
         return self._why(self.current)
 
     def summary(self) -> str:
-        """The current choice in one phrase: k, the acceptance and the expected gain."""
-        chosen = self.current
-        ar = self._plain(chosen.batch)
+        """The current choice in one phrase: k, the acceptance and the expected gain, both rates
+        priced when the choice was made (the step costs' corrections move between choices)."""
+        chosen, ar = self.current, self.current_plain
         return (f"{_label(chosen)} (acceptance per token {chosen.alpha:.2f}: {chosen.tokens_per_s:.0f} tok/s "
                 f"expected against {ar.tokens_per_s:.0f} without speculation)")
 
