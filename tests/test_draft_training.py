@@ -305,9 +305,9 @@ def test_an_output_that_saving_would_destroy_is_refused_before_any_work(tmp_path
 
 
 def test_options_of_the_other_kind_and_a_missing_init_head_are_refused(tmp_path):
-    with pytest.raises(SpecforkError, match="--ttt-steps only apply to --kind eagle3"):
+    with pytest.raises(SpecforkError, match="--ttt-steps only applies to --kind eagle3"):
         TrainDraftJob(output=tmp_path / "d", kind="draft", eagle3=Eagle3Settings(ttt_steps=3))
-    with pytest.raises(SpecforkError, match="--layers only apply to --kind draft"):
+    with pytest.raises(SpecforkError, match="--layers only applies to --kind draft"):
         TrainDraftJob(output=tmp_path / "d", kind="eagle3", arch=DraftArch(num_layers=2))
     with pytest.raises(SpecforkError, match="not an EAGLE-3 head directory"):
         Eagle3Settings(init_head=tmp_path / "nonexistent")

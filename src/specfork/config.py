@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 
 from specfork.errors import SpecforkError
 from specfork.fanout import parse_fanout, uniform_fanout
-from specfork.options import int_or_auto, option, seconds_or_auto
+from specfork.options import flag_of, int_or_auto, option, seconds_or_auto
 
 DEFAULT_MODEL = "smollm2-135m"
 DTYPES = ("float32", "bfloat16", "float16")
@@ -184,6 +184,7 @@ class Config:
                                     "what decoding wants)")
         if self.mode not in MODES:
             raise SpecforkError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        self._check_options_of_other_modes()
         if self.drafter not in DRAFTERS:
             raise SpecforkError(f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
         if self.k is None:  # SD: auto, which falls back to plain decoding where drafts do not pay
@@ -246,6 +247,19 @@ class Config:
             raise SpecforkError(f"quantize must be one of {', '.join(QUANTIZE)} or None, got {self.quantize!r}")
         if self.quantize_group not in QUANTIZE_GROUPS:
             raise SpecforkError(f"quantize_group must be one of {QUANTIZE_GROUPS}, got {self.quantize_group!r}")
+
+    def _check_options_of_other_modes(self) -> None:
+        """Speculative options given to a mode that would ignore them (``--k 3`` without ``--mode
+        sd``, ``--fan-out`` with SD) are refused rather than silently ignored."""
+        applies = {"ar": (), "sd": (SPECULATIVE,), "ssd": (SPECULATIVE, SSD)}[self.mode]
+        stray = [f for f in fields(self) if f.metadata.get("group") in (SPECULATIVE, SSD)
+                 and f.metadata.get("group") not in applies and f.name not in ("mode", "deterministic")
+                 and f.default is not MISSING and getattr(self, f.name) != f.default]
+        if stray:
+            where = "--mode ssd" if all(f.metadata["group"] == SSD for f in stray) else "--mode sd or ssd"
+            verb = "applies" if len(stray) == 1 else "apply"
+            raise SpecforkError(f"{', '.join(flag_of(f) for f in stray)} only {verb} to {where}; this run is "
+                                f"--mode {self.mode}")
 
     def _check_lookup_first(self) -> None:
         n = self.lookup_first

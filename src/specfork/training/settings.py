@@ -176,7 +176,7 @@ class TrainDraftJob:
         changed = [flag_of(f) for f in fields(other) if getattr(other, f.name) != getattr(unused, f.name)]
         if changed:
             needs = "--kind eagle3" if self.kind == "draft" else "--kind draft (an EAGLE-3 head takes the target's shape)"
-            raise SpecforkError(f"{', '.join(changed)} only apply to {needs}")
+            raise SpecforkError(f"{', '.join(changed)} only {'applies' if len(changed) == 1 else 'apply'} to {needs}")
 
 
 def check_output_directory(output: Path) -> None:
