@@ -40,6 +40,8 @@ def test_shipped_draft_is_small_and_shares_the_target_vocabulary(target_location
     assert resolve_draft("smollm2-135m-draft", target_location) == str(path)
     assert resolve_draft(None, target_location, heads=False) == resolve_draft("default", target_location, heads=False)
     assert resolve_draft(None, target_location, heads=False) == str(path)
+    with pytest.raises(SpecforkError, match="does not exist; give a draft's path or one of the shipped drafts: default, "):
+        resolve_draft("smollm2-135m-drfat", target_location)  # a misspelt name used to surface as a model error
     assert path.stat().st_size <= 25 * 1024 * 1024
     draft, target = GGUFFile(path), GGUFFile(target_location.path)
     for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.eos_token_id"):

@@ -49,7 +49,8 @@ def resolve_checkpoint(model: str) -> CheckpointLocation:
             raise ModelLoadError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
         return CheckpointLocation(path, CheckpointFormat.GGUF)
     known = ", ".join(sorted(ALIASES))
-    raise ModelLoadError(f"model {model!r} is neither a known alias ({known}), an HF model directory, nor a .gguf file")
+    raise ModelLoadError(f"model {model!r} is neither a known alias ({known}), an HF model directory, nor a .gguf file"
+                         f"{'' if path.exists() else ' (no such file or directory)'}")
 
 
 def _packaged_file(package: str, filename: str) -> Path:
@@ -78,6 +79,9 @@ def resolve_draft(draft: str | None, target: CheckpointLocation, *, heads: bool 
     if draft in names:
         return _shipped(names[draft])
     if draft not in (None, DEFAULT_DRAFT):
+        if not Path(draft).expanduser().exists() and draft not in ALIASES:
+            raise ModelLoadError(f"--draft {draft!r} does not exist; give a draft's path or one of the shipped "
+                                 f"drafts: {', '.join([DEFAULT_DRAFT, *sorted(names)])}")
         return draft
     shipped = [n for n in SHIPPED_DRAFTS.get(target.path.name, ()) if heads or n.endswith(".gguf")]
     if not shipped:
