@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP API over one shared :class:`EngineLoop`.
 
-Routes: GET /v1/models (and /v1/models/{id}), POST /v1/completions, POST /v1/chat/completions (streaming with SSE and
-``data: [DONE]``, or not), GET /health, GET /metrics (Prometheus text). With an API key, every
-/v1 route wants ``Authorization: Bearer <key>``.
+Routes: GET /v1/models (and /v1/models/{id}), POST /v1/completions, POST /v1/chat/completions
+(streaming with SSE and ``data: [DONE]``, or not), GET /health, GET /metrics (Prometheus text).
+With an API key, every /v1 route wants ``Authorization: Bearer <key>``.
 
 The event loop only moves bytes: bodies are read with a size limit, and parsing, validation,
 templating and tokenizing run on worker threads (``preprocess``), as does formatting a large
