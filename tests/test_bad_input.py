@@ -133,7 +133,8 @@ def test_bad_config_json(tmp_path):
     ({"mode": "ssd", "drafter_timeout_s": 0}, "--drafter-timeout"),
     ({"mode": "sd", "drafter": "ngram", "lookup_first": 2}, "already is prompt lookup"),
     # options of another mode were silently ignored
-    ({"k": 3, "draft": "x"}, "--draft, --k only apply to --mode sd or ssd; this run is --mode ar"),
+    ({"draft": "x", "lookup_corpus": "none"}, "--draft, --lookup-corpus only apply to --mode sd or ssd; this run is "
+     "--mode ar"),
     ({"mode": "sd", "fan_out": 7}, "--fan-out only applies to --mode ssd"),
 ])
 def test_bad_engine_options(tiny_dir, options, field):

@@ -38,10 +38,10 @@ def test_every_config_field_is_an_option_of_generate_and_serve():
 @pytest.mark.parametrize("argv, field, value", [
     (["--k", "auto"], "k", "auto"),
     (["--k", "3"], "k", 3),
-    (["--drafter-timeout", "auto"], "drafter_timeout_s", None),
-    (["--drafter-timeout", "2.5"], "drafter_timeout_s", 2.5),
+    (["--mode", "ssd", "--drafter-timeout", "auto"], "drafter_timeout_s", None),
+    (["--mode", "ssd", "--drafter-timeout", "2.5"], "drafter_timeout_s", 2.5),
     (["--deterministic"], "deterministic", True),
-    (["--fan-out-list", "geometric:6"], "fan_out_list", "geometric:6"),
+    (["--mode", "ssd", "--fan-out-list", "geometric:6"], "fan_out_list", "geometric:6"),
     (["--quantize", "int4", "--quantize-group", "64"], "quantize_group", 64),
     (["--seed", "11"], "seed", 11),
     (["--mode", "ssd", "--backup", "fast"], "backup", "fast"),

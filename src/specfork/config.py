@@ -184,7 +184,7 @@ class Config:
                                     "what decoding wants)")
         if self.mode not in MODES:
             raise SpecforkError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        self._check_options_of_other_modes()
+        stray = self._options_of_other_modes()
         if self.drafter not in DRAFTERS:
             raise SpecforkError(f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
         if self.k is None:  # SD: auto, which falls back to plain decoding where drafts do not pay
@@ -247,14 +247,21 @@ class Config:
             raise SpecforkError(f"quantize must be one of {', '.join(QUANTIZE)} or None, got {self.quantize!r}")
         if self.quantize_group not in QUANTIZE_GROUPS:
             raise SpecforkError(f"quantize_group must be one of {QUANTIZE_GROUPS}, got {self.quantize_group!r}")
+        # Last, so that the specific checks above speak first where they apply; from the options as
+        # given, before defaults were filled in.
+        self._refuse_options_of_other_modes(stray)
 
-    def _check_options_of_other_modes(self) -> None:
-        """Speculative options given to a mode that would ignore them (``--k 3`` without ``--mode
-        sd``, ``--fan-out`` with SD) are refused rather than silently ignored."""
+    def _options_of_other_modes(self) -> list:
+        """The speculative options given (not at their defaults) that this mode would ignore. (k is
+        not one in AR: it sizes the verify windows an engine captures CUDA graphs for, in any mode;
+        benchmarks/bench_cuda_graphs.py times AR engines' windows that way.)"""
         applies = {"ar": (), "sd": (SPECULATIVE,), "ssd": (SPECULATIVE, SSD)}[self.mode]
-        stray = [f for f in fields(self) if f.metadata.get("group") in (SPECULATIVE, SSD)
-                 and f.metadata.get("group") not in applies and f.name not in ("mode", "deterministic")
-                 and f.default is not MISSING and getattr(self, f.name) != f.default]
+        return [f for f in fields(self) if f.metadata.get("group") in (SPECULATIVE, SSD)
+                and f.metadata.get("group") not in applies and f.name not in ("mode", "deterministic", "k")
+                and f.default is not MISSING and getattr(self, f.name) != f.default]
+
+    def _refuse_options_of_other_modes(self, stray: list) -> None:
+        """``--k 3`` without ``--mode sd``, ``--fan-out`` with SD: refused, not silently ignored."""
         if stray:
             where = "--mode ssd" if all(f.metadata["group"] == SSD for f in stray) else "--mode sd or ssd"
             verb = "applies" if len(stray) == 1 else "apply"
