@@ -261,7 +261,7 @@ class Config:
                 and f.default is not MISSING and getattr(self, f.name) != f.default]
 
     def _refuse_options_of_other_modes(self, stray: list) -> None:
-        """``--k 3`` without ``--mode sd``, ``--fan-out`` with SD: refused, not silently ignored."""
+        """``--draft`` without ``--mode sd``, ``--fan-out`` with SD: refused, not silently ignored."""
         if stray:
             where = "--mode ssd" if all(f.metadata["group"] == SSD for f in stray) else "--mode sd or ssd"
             verb = "applies" if len(stray) == 1 else "apply"
