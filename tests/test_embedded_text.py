@@ -63,7 +63,7 @@ def test_completion_text_offsets_are_each_tokens_character_in_the_text(ar_det):
     ids = ar_det.engine.tokenizer.encode(SPLIT_CHARACTERS)
     names = TokenNames(ar_det.engine.tokenizer)
     utf8 = SPLIT_CHARACTERS.encode("utf-8")
-    starts = [sum(len(names.bytes(t)) for t in ids[:i]) for i in range(len(ids))]  # each token's first byte
+    starts = [sum(len(names.bytes_of(t)) for t in ids[:i]) for i in range(len(ids))]  # each token's first byte
     # the character holding that byte: the characters wholly before it
     expected = [len(utf8[:b].decode("utf-8", errors="ignore")) for b in starts]
     assert completion_logprobs(names, [(None, t) for t in ids], TextCursor())["text_offset"] == expected

@@ -21,7 +21,7 @@ class TokenNames:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def bytes(self, token_id: int) -> bytes:
+    def bytes_of(self, token_id: int) -> bytes:
         """The token's own bytes (part of a character for some tokens; see Tokenizer.token_bytes)."""
         if self.tokenizer is None:
             return self(token_id).encode("utf-8")
@@ -50,7 +50,7 @@ def completion_logprobs(names: TokenNames, entries: Sequence[TokenLogprob | None
         name = names(token_id)
         tokens.append(name)
         offsets.append(cursor.position)
-        cursor.advance(names.bytes(token_id))
+        cursor.advance(names.bytes_of(token_id))
         if entry is None:
             token_logprobs.append(None)
             top.append(None)
@@ -67,7 +67,7 @@ def chat_logprobs(names: TokenNames, entries: Sequence[TokenLogprob]) -> dict:
 
     def item(token_id: int, logprob: float) -> dict:
         name = names(token_id)
-        return {"token": name, "logprob": logprob, "bytes": list(names.bytes(token_id))}
+        return {"token": name, "logprob": logprob, "bytes": list(names.bytes_of(token_id))}
 
     content = [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]
     return {"content": content, "refusal": None}
