@@ -73,3 +73,13 @@ def test_completion_text_offsets_are_each_tokens_character_in_the_text(ar_det):
         pieces += completion_logprobs(names, [(None, t) for t in chunk], cursor)["text_offset"]
     assert pieces == expected
     assert max(expected) < len(SPLIT_CHARACTERS) and expected != list(range(len(ids)))
+
+
+def test_chat_logprob_bytes_join_into_the_text(ar_det):
+    from specfork.outputs import TokenLogprob
+    from specfork.serve.responses import TokenNames, chat_logprobs
+
+    ids = ar_det.engine.tokenizer.encode(SPLIT_CHARACTERS)
+    content = chat_logprobs(TokenNames(ar_det.engine.tokenizer), [TokenLogprob(t, -1.0, ((t, -1.0),)) for t in ids])
+    assert bytes(b for item in content["content"] for b in item["bytes"]) == SPLIT_CHARACTERS.encode("utf-8")
+    assert all(item["top_logprobs"][0]["bytes"] == item["bytes"] for item in content["content"])
