@@ -6,7 +6,7 @@ from dataclasses import MISSING, dataclass, fields
 
 from specfork.errors import SpecforkError
 from specfork.fanout import parse_fanout, uniform_fanout
-from specfork.options import flag_of, int_or_auto, option, seconds_or_auto
+from specfork.options import flag_of, int_or_auto, only_for, option, seconds_or_auto
 
 DEFAULT_MODEL = "smollm2-135m"
 DTYPES = ("float32", "bfloat16", "float16")
@@ -264,9 +264,7 @@ class Config:
         """``--draft`` without ``--mode sd``, ``--fan-out`` with SD: refused, not silently ignored."""
         if stray:
             where = "--mode ssd" if all(f.metadata["group"] == SSD for f in stray) else "--mode sd or ssd"
-            verb = "applies" if len(stray) == 1 else "apply"
-            raise SpecforkError(f"{', '.join(flag_of(f) for f in stray)} only {verb} to {where}; this run is "
-                                f"--mode {self.mode}")
+            raise SpecforkError(f"{only_for([flag_of(f) for f in stray], where)}; this run is --mode {self.mode}")
 
     def _check_lookup_first(self) -> None:
         n = self.lookup_first

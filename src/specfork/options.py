@@ -43,6 +43,11 @@ def flag_of(f: dataclasses.Field) -> str:
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
+def only_for(flags: list[str], where: str) -> str:
+    """The message refusing options that ``where`` alone reads ("--k only applies to --mode sd")."""
+    return f"{', '.join(flags)} only {'applies' if len(flags) == 1 else 'apply'} to {where}"
+
+
 def int_or_auto(text: str) -> int | str:
     """An integer, or the word auto."""
     return _number_or_auto(text, int, "an integer", "auto")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from specfork.config import DEFAULT_MODEL
 from specfork.errors import SpecforkError
-from specfork.options import flag_of, int_or_auto, option
+from specfork.options import flag_of, int_or_auto, only_for, option
 
 DATA, ARCH, TRAIN, EVAL = 'data (target responses)', 'draft architecture', 'training', 'final evaluation'
 EAGLE3 = 'EAGLE-3 head (--kind eagle3)'
@@ -171,15 +171,15 @@ class TrainDraftJob:
         object.__setattr__(self, "work_dir", Path(self.work_dir))
         if self.generation_batch < 1 or self.eval_tokens < 1 or self.eval_prompts < 0:
             raise SpecforkError("generation_batch and eval_tokens must be >= 1, eval_prompts >= 0")
-        check_output_directory(self.output)
+        check_replaceable_output(self.output)
         other, unused = (self.eagle3, Eagle3Settings()) if self.kind == "draft" else (self.arch, DraftArch())
         changed = [flag_of(f) for f in fields(other) if getattr(other, f.name) != getattr(unused, f.name)]
         if changed:
             needs = "--kind eagle3" if self.kind == "draft" else "--kind draft (an EAGLE-3 head takes the target's shape)"
-            raise SpecforkError(f"{', '.join(changed)} only {'applies' if len(changed) == 1 else 'apply'} to {needs}")
+            raise SpecforkError(only_for(changed, needs))
 
 
-def check_output_directory(output: Path) -> None:
+def check_replaceable_output(output: Path) -> None:
     """Refuse, before any work, an output that saving would destroy or cannot create: a file, or a
     directory holding anything but an earlier train-draft result (saving replaces the directory)."""
     if output.exists() and not output.is_dir():
