@@ -191,6 +191,22 @@ def test_bad_input_is_a_400_naming_the_problem(server, path, body, message):
     assert server.post("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}))[0] == 200
 
 
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 5000}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5000},
+     "max_completion_tokens"),
+    ("/v1/completions", {"prompt": "word " * 1100}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
+], ids=["completions-max_tokens", "chat-max_tokens", "chat-max_completion_tokens", "prompt", "top_p"])
+def test_a_refused_request_names_its_parameter_as_the_request_did(server, path, body, param):
+    """The engine's own rules (prompt plus max_tokens within the context) are checked when it
+    admits the request; the error body's param names the field the request used."""
+    status, reply = server.post(path, json.dumps({"model": MODEL, **body}))
+    assert status == 400, reply
+    assert reply["error"]["param"] == param, reply
+
+
 def test_the_openai_client_sees_bad_requests_as_bad_request_errors(server):
     with pytest.raises(openai.BadRequestError, match="does not exist"):
         server.client().completions.create(model="nope", prompt="hi", max_tokens=2)

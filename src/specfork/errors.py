@@ -3,7 +3,12 @@
 
 
 class SpecforkError(ValueError):
-    """Base class of every error specfork raises for bad input."""
+    """Base class of every error specfork raises for bad input; ``param`` names the request
+    parameter at fault where one is (the server returns it in its error body)."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ModelLoadError(SpecforkError):

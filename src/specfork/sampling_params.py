@@ -43,27 +43,27 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:  # NaN too
-            raise SpecforkError(f"temperature must be a number >= 0, got {self.temperature!r}")
+            raise SpecforkError(f"temperature must be a number >= 0, got {self.temperature!r}", param="temperature")
         if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
-            raise SpecforkError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise SpecforkError(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise SpecforkError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+            raise SpecforkError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}", param="top_k")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise SpecforkError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise SpecforkError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", param="max_tokens")
         if self.seed is not None and (
             not isinstance(self.seed, int) or isinstance(self.seed, bool) or not SEED_MIN <= self.seed <= SEED_MAX
         ):
-            raise SpecforkError(f"seed must be None or an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
+            raise SpecforkError(f"seed must be None or an integer in [-2**63, 2**64 - 1], got {self.seed!r}", param="seed")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (
                 not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS
             ):
-                raise SpecforkError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+                raise SpecforkError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}", param=name)
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise SpecforkError(f"stop must be non-empty strings, got {self.stop!r}")
+            raise SpecforkError(f"stop must be non-empty strings, got {self.stop!r}", param="stop")
         if any(t < 0 for t in self.stop_token_ids):
-            raise SpecforkError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
+            raise SpecforkError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}", param="stop_token_ids")
 
     @property
     def greedy(self) -> bool:

@@ -170,7 +170,7 @@ class LLMEngine:
             raise PromptError(
                 f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) is {prompt_len + max_tokens} "
                 f"tokens, more than the context holds (max_model_len {self.max_model_len}); lower max_tokens "
-                f"to at most {max(self.max_model_len - prompt_len, 0)}"
+                f"to at most {max(self.max_model_len - prompt_len, 0)}", param="max_tokens",
             )
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:

@@ -40,7 +40,7 @@ from specfork.serve.engine_loop import (
 )
 from specfork.serve.metrics import ServerMetrics
 from specfork.serve.preprocess import Job, prepare_chat, prepare_completion
-from specfork.serve.protocol import ApiError
+from specfork.serve.protocol import ApiError, GenerationRequest
 from specfork.serve.responses import ChunkMaker, TokenNames, response_body
 
 logger = logging.getLogger(__name__)
@@ -215,7 +215,7 @@ async def admit(loop: EngineLoop, job: Job) -> RequestGroup:
             if isinstance(event, Admitted):
                 admitted += 1
             elif isinstance(event, Failed):
-                raise _api_error(event)
+                raise _api_error(event, job.body)
             else:
                 early.append((index, event))
     except BaseException:
@@ -226,9 +226,10 @@ async def admit(loop: EngineLoop, job: Job) -> RequestGroup:
     return group
 
 
-def _api_error(event: Failed) -> ApiError:
+def _api_error(event: Failed, body: GenerationRequest | None = None) -> ApiError:
+    """The HTTP error of a failed request; ``body`` names the refused parameter as the request did."""
     if event.status == 400:
-        return ApiError(400, event.message)
+        return ApiError(400, event.message, param=body.field_of(event.param) if body else event.param)
     headers = {"Retry-After": RETRY_AFTER_S} if event.status == 503 else None
     return ApiError(event.status, event.message, kind="server_error", headers=headers)
 

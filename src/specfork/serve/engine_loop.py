@@ -74,6 +74,7 @@ class Failed:
 
     status: int
     message: str
+    param: str | None = None  # the sampling parameter at fault, for a 400
 
 
 Event = Admitted | Piece | Finished | Failed
@@ -293,7 +294,7 @@ class EngineLoop:
             handle.seq = engine.add_request(handle.group.prompt_ids, handle.params)
             handle.text = TextStream(engine, handle.seq)
         except SpecforkError as e:  # the engine's own rules (e.g. prompt + max_tokens too long)
-            self._finish(handle, Failed(400, str(e)))
+            self._finish(handle, Failed(400, str(e), e.param))
             return
         except Exception:
             logger.exception("adding a request failed")

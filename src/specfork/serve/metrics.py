@@ -96,8 +96,8 @@ class ServerMetrics:
                 metric(name, kind, help_text, [f"{name} {value}"])
 
             metric("specfork_requests_finished_total", "counter",
-                   "Requests that ended, by finish reason (abort: cancelled by the client or at shutdown; "
-                   "error: failed while running).",
+                   "Generations that ended, by finish reason: one per choice, so a request with n = 4 counts 4 "
+                   "(abort: cancelled by the client or at shutdown; error: failed while running).",
                    [f'specfork_requests_finished_total{{finish_reason="{r}"}} {n}'
                     for r, n in sorted(self.finished.items())])
             metric("specfork_request_errors_total", "counter", "Requests refused or failed, by HTTP status.",

@@ -93,7 +93,7 @@ def _sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens
             prompt_logprobs=prompt_logprobs,
         )
     except SpecforkError as e:
-        raise ApiError(400, str(e)) from None
+        raise ApiError(400, str(e), param=body.field_of(e.param)) from None
     if first.seed is None:
         return [first] * body.n
     return [first] + [dataclasses.replace(first, seed=choice_seed(first.seed, i)) for i in range(1, body.n)]

@@ -119,6 +119,10 @@ class GenerationRequest(BaseModel):
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
+    def field_of(self, param: str | None) -> str | None:
+        """This request's field behind a sampling parameter the engine refused (its error's ``param``)."""
+        return "logprobs" if param == "prompt_logprobs" else param
+
 
 class CompletionRequest(GenerationRequest):
     prompt: Text | list[int] | list[Text]
@@ -177,6 +181,11 @@ class ChatCompletionRequest(GenerationRequest):
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def field_of(self, param: str | None) -> str | None:
+        if param == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return "top_logprobs" if param == "logprobs" else param
 
 
 def parse_request(model: type[BaseModel], body: object) -> BaseModel:
