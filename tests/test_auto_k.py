@@ -244,6 +244,20 @@ def test_k_auto_sd_equals_ar(tiny_checkpoints):
         assert llm.engine.block_manager.num_free_blocks == free == llm.engine.block_manager.num_blocks
 
 
+def test_k_auto_measures_its_drafter_within_a_small_kv_cache(tiny_checkpoints, head_pair):
+    """k auto times one draft step at start-up after a 64-token context; a cache of 3 blocks (48
+    tokens) used to fail there with "KV cache exhausted" (a traceback from `specfork generate`)."""
+    prompts = [[1, 5, 3, 5, 3, 5, 3, 5]]  # ids inside the head pair's 8-token vocabulary
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    models = ((str(tiny_checkpoints["llama-gqa-tied"].path), str(tiny_checkpoints["llama3-rope-untied-sharded"].path)),
+              (str(head_pair["target"]), str(head_pair["draft"])))
+    for target, draft in models:
+        ar = [o.token_ids for o in LLM(target, deterministic=True).generate(prompts, params)]
+        llm = LLM(target, mode="sd", draft=draft, deterministic=True, num_kv_blocks=3)
+        assert llm.engine.step_strategy.auto_k.costs.draft_s > 0
+        assert [o.token_ids for o in llm.generate(prompts, params)] == ar
+
+
 def test_sd_defaults_to_k_auto_and_ssd_to_a_fixed_k():
     assert Config(mode="sd").k == "auto" and Config(mode="sd", drafter="ngram").k == "auto"
     assert Config(mode="ssd").k == SSD_DEFAULT_K == 5

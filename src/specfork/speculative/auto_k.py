@@ -124,6 +124,12 @@ def _wait_for_gpu() -> None:
         torch.cuda.synchronize()
 
 
+def measurable_context(block_manager, rows: int) -> int:
+    """The cached tokens a measured forward of ``rows`` more can stand on in the free cache (a
+    small ``--kv-cache-tokens`` holds fewer than MEASURE_CONTEXT)."""
+    return block_manager.num_free_blocks * block_manager.block_size - rows
+
+
 def measure_forward(runner, block_manager, rows: int, context: int = MEASURE_CONTEXT, repeat: int = 5) -> float:
     """Median time of one decode-style forward of ``rows`` new tokens after ``context`` cached ones."""
     return measure_forwards(runner, block_manager, [(rows, repeat)], context)[0]
@@ -140,7 +146,9 @@ def measure_forwards(runner, block_manager, windows: list[tuple[int, int]], cont
     from specfork.sampling_params import SamplingParams
 
     vocab = runner.model.config.vocab_size
-    tokens = [(1 + i * 7919) % vocab for i in range(context + max(rows for rows, _ in windows))]
+    max_rows = max(rows for rows, _ in windows)
+    context = max(1, min(context, measurable_context(block_manager, max_rows)))
+    tokens = [(1 + i * 7919) % vocab for i in range(context + max_rows)]
     seq = Sequence(-1, tokens, SamplingParams(temperature=0.0), torch.Generator())
     block_manager.grow(seq, len(tokens))
     try:

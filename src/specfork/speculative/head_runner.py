@@ -258,11 +258,11 @@ class HeadRunner:
 
     def draft_step_seconds(self) -> float:
         """Median time of one head step (one row after a 64-row context, or as long a context as
-        the head's positions allow, with its logits)."""
-        from specfork.speculative.auto_k import MEASURE_CONTEXT, time_call
+        the head's positions and its free cache allow, with its logits)."""
+        from specfork.speculative.auto_k import MEASURE_CONTEXT, measurable_context, time_call
 
         st = HeadState()
-        context = min(MEASURE_CONTEXT, self.head.rotary.cos.size(0) - 1)
+        context = max(1, min(MEASURE_CONTEXT, self.head.rotary.cos.size(0) - 1, measurable_context(self.blocks, 1)))
         self.blocks.grow(st, context + 1)
         d = self.head.config.hidden_size
         try:
