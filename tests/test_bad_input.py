@@ -62,6 +62,28 @@ def test_empty_prompts(tiny_llm):
         tiny_llm.generate([])
 
 
+def test_stream_checks_its_input_as_generate_does(tiny_llm):
+    with pytest.raises(PromptError, match="list of integers"):
+        next(tiny_llm.stream([1.5, 2]))
+    with pytest.raises(PromptError, match="list of integers"):
+        next(tiny_llm.stream([True]))
+    with pytest.raises(SpecforkError, match="SamplingParams"):
+        next(tiny_llm.stream([1, 2], {"max_tokens": 3}))
+    with pytest.raises(PromptError, match="no conversations"):
+        tiny_llm.chat([])
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    list(tiny_llm.stream([1, 2], params))
+    assert tiny_llm.last_output.token_ids == tiny_llm.generate([[1, 2]], params)[0].token_ids
+
+
+def test_a_closed_llm_refuses_to_generate(tiny_dir):
+    with LLM(str(tiny_dir)) as llm:
+        llm.generate([[1, 2]], SamplingParams(max_tokens=2))
+    for use in (lambda: llm.generate([[1, 2]]), lambda: next(llm.stream([1, 2])), lambda: llm.chat([[{"role": "user", "content": "x"}]])):
+        with pytest.raises(SpecforkError, match="this LLM is closed"):
+            use()
+
+
 def test_a_refused_request_leaves_no_part_of_its_batch_queued(tiny_llm):
     ok, too_long = SamplingParams(max_tokens=4), SamplingParams(max_tokens=100)
     with pytest.raises(PromptError, match="max_model_len 64"):

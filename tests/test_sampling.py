@@ -354,12 +354,33 @@ def test_the_native_draw_matches_the_distribution_chi_square(temperature, top_k,
         ({"top_k": -1}, "top_k"),
         ({"seed": 1.5}, "seed"),
         ({"stop": [""]}, "stop"),
+        ({"stop": 5}, "stop"),
+        ({"stop_token_ids": "12"}, "stop_token_ids"),  # was iterated into (1, 2)
+        ({"stop_token_ids": [1.7]}, "stop_token_ids"),  # was truncated to (1,)
+        ({"stop_token_ids": ["a"]}, "stop_token_ids"),
+        ({"stop_token_ids": 5}, "stop_token_ids"),
+        ({"ignore_eos": "no"}, "ignore_eos"),  # truthy: it turned EOS off
+        ({"temperature": True}, "temperature"),
+        ({"top_p": True}, "top_p"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"logprobs": 2.0}, "logprobs"),
     ],
 )
 def test_invalid_sampling_params_raise_value_error(kwargs, field):
-    with pytest.raises(SpecforkError, match=field):
+    with pytest.raises(SpecforkError, match=field) as refused:
         SamplingParams(**kwargs)
     assert issubclass(SpecforkError, ValueError)
+    assert refused.value.param == field  # what the server's error body names
+
+
+def test_sampling_params_take_none_for_lists_and_numpy_numbers():
+    import numpy as np
+
+    p = SamplingParams(stop=None, stop_token_ids=None, temperature=np.float32(0.5), top_p=np.float64(0.9),
+                       top_k=np.int64(5), max_tokens=np.int32(7), seed=np.uint64(3))
+    assert p.stop == () and p.stop_token_ids == ()
+    assert (p.temperature, p.top_p, p.top_k, p.max_tokens, p.seed) == (0.5, 0.9, 5, 7, 3)
+    assert all(type(v) is t for v, t in ((p.temperature, float), (p.top_p, float), (p.top_k, int), (p.seed, int)))
 
 
 @pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 10**30])

@@ -56,10 +56,18 @@ class LLM:
             if drafter is not None:
                 drafter.close()
             raise
+        self.closed = False
 
     def close(self) -> None:
-        """Stop helper processes (the SSD drafter). Also done at interpreter exit."""
+        """Stop helper processes (the SSD drafter, tensor-parallel ranks); generating afterwards is
+        an error. Also done at interpreter exit."""
+        self.closed = True
         self.engine.close()
+
+    def _open_engine(self) -> LLMEngine:
+        if self.closed:
+            raise SpecforkError("this LLM is closed (close() or the end of its `with` block); create a new one")
+        return self.engine
 
     def health(self) -> StepHealth:
         """Whether decoding runs as configured (an SSD drafter that failed: ``degraded``)."""
@@ -110,6 +118,7 @@ class LLM:
         """Generate for every prompt (raw text, tokenized as the tokenizer says, or token ids).
         Outputs come back in input order."""
         batch = _as_prompt_list(prompts)
+        self._open_engine()
         return self._run([self.encode(p) for p in batch], sampling_params, use_tqdm)
 
     def chat(
@@ -122,13 +131,18 @@ class LLM:
         """Generate a reply for each conversation (a list of {role, content} messages)."""
         if isinstance(conversations, list) and conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
+        if not conversations:
+            raise PromptError("no conversations given")
+        self._open_engine()
         return self._run([self.encode_chat(c) for c in conversations], sampling_params, use_tqdm)
 
-    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[str]:
-        """Generate for one tokenized prompt, yielding text as it becomes final. The finished
-        output is available as ``self.last_output`` afterwards."""
-        engine = self.engine
-        seq = engine.add_request(prompt_ids, params)
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
+        """Generate for one prompt (text or token ids, as ``generate`` takes it), yielding text as
+        it becomes final. The finished output is available as ``self.last_output`` afterwards."""
+        engine = self._open_engine()
+        ids = self.encode(prompt)
+        (params,) = _as_params_list(params, 1)
+        seq = engine.add_request(ids, params)
         text = TextStream(engine, seq)
         try:
             while not seq.is_finished:
@@ -142,7 +156,7 @@ class LLM:
 
     def _run(self, prompt_ids: list[list[int]], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         params = _as_params_list(sampling_params, len(prompt_ids))
-        engine = self.engine
+        engine = self._open_engine()
         for ids, p in zip(prompt_ids, params, strict=True):  # refuse the batch before queueing any of it
             engine.check_prompt_ids(ids)
             engine.check_length(len(ids), p.max_tokens)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 from specfork.errors import SpecforkError
@@ -38,32 +40,40 @@ class SamplingParams:
     prompt_logprobs: int | None = option(None, cli=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:  # NaN too
-            raise SpecforkError(f"temperature must be a number >= 0, got {self.temperature!r}", param="temperature")
-        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+        object.__setattr__(self, "stop", _stop_strings(self.stop))
+        object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids))
+        temperature = _real(self.temperature)
+        if temperature is None or not 0 <= temperature < math.inf:  # NaN too
+            raise SpecforkError(f"temperature must be a finite number >= 0, got {self.temperature!r}", param="temperature")
+        top_p = _real(self.top_p)
+        if top_p is None or not 0.0 < top_p <= 1.0:
             raise SpecforkError(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+        object.__setattr__(self, "temperature", temperature)
+        object.__setattr__(self, "top_p", top_p)
+        top_k = _integer(self.top_k)
+        if top_k is None or top_k < 0:
             raise SpecforkError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}", param="top_k")
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+        max_tokens = _integer(self.max_tokens)
+        if max_tokens is None or max_tokens < 1:
             raise SpecforkError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", param="max_tokens")
-        if self.seed is not None and (
-            not isinstance(self.seed, int) or isinstance(self.seed, bool) or not SEED_MIN <= self.seed <= SEED_MAX
-        ):
-            raise SpecforkError(f"seed must be None or an integer in [-2**63, 2**64 - 1], got {self.seed!r}", param="seed")
+        object.__setattr__(self, "top_k", top_k)
+        object.__setattr__(self, "max_tokens", max_tokens)
+        if self.seed is not None:
+            seed = _integer(self.seed)
+            if seed is None or not SEED_MIN <= seed <= SEED_MAX:
+                raise SpecforkError(f"seed must be None or an integer in [-2**63, 2**64 - 1], got {self.seed!r}",
+                                    param="seed")
+            object.__setattr__(self, "seed", seed)
+        if not isinstance(self.ignore_eos, bool):
+            raise SpecforkError(f"ignore_eos must be True or False, got {self.ignore_eos!r}", param="ignore_eos")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (
-                not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS
-            ):
-                raise SpecforkError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}", param=name)
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise SpecforkError(f"stop must be non-empty strings, got {self.stop!r}", param="stop")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise SpecforkError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}", param="stop_token_ids")
+            if value is not None:
+                count = _integer(value)
+                if count is None or not 0 <= count <= MAX_LOGPROBS:
+                    raise SpecforkError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}",
+                                        param=name)
+                object.__setattr__(self, name, count)
 
     @property
     def greedy(self) -> bool:
@@ -80,3 +90,31 @@ def choice_seed(seed: int, index: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFF_FFFF_FFFF_FFFF
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFF_FFFF_FFFF_FFFF
     return z ^ (z >> 31)
+
+
+def _real(value: object) -> float | None:
+    """``value`` as a float if it is a real number (numpy's too), not a bool; else None."""
+    return float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else None
+
+
+def _integer(value: object) -> int | None:
+    """``value`` as an int if it is an integer (numpy's too), not a bool; else None."""
+    return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else None
+
+
+def _stop_strings(stop: object) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    strings = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, (list, tuple)) else None
+    if strings is None or any(not isinstance(s, str) or not s for s in strings):
+        raise SpecforkError(f"stop must be a non-empty string or a list of them, got {stop!r}", param="stop")
+    return strings
+
+
+def _token_ids(ids: object) -> tuple[int, ...]:
+    if ids is None:
+        return ()
+    values = tuple(_integer(t) for t in ids) if isinstance(ids, (list, tuple)) else None
+    if values is None or any(t is None or t < 0 for t in values):
+        raise SpecforkError(f"stop_token_ids must be a list of integers >= 0, got {ids!r}", param="stop_token_ids")
+    return values
