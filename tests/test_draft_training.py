@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -302,6 +303,51 @@ def test_an_output_that_saving_would_destroy_is_refused_before_any_work(tmp_path
     (earlier / "specfork_draft.json").write_text("{}")
     assert TrainDraftJob(output=earlier).output == earlier
     assert TrainDraftJob(output=tmp_path / "empty").work_dir == tmp_path / "empty.work"
+    (earlier / "NOTES.md").write_text("the user's")  # saving would delete it with the directory
+    with pytest.raises(SpecforkError, match="also holds NOTES.md"):
+        TrainDraftJob(output=earlier)
+    for work_dir in (tmp_path / "new", tmp_path / "new" / "work"):  # deleted by every save
+        with pytest.raises(SpecforkError, match="--work-dir .* is inside --output"):
+            TrainDraftJob(output=tmp_path / "new", work_dir=work_dir)
+    with pytest.raises(SpecforkError, match="--work-dir .* is a file"):
+        TrainDraftJob(output=tmp_path / "new", work_dir=tmp_path / "file")
+    with pytest.raises(SpecforkError, match="a name of its own"):
+        TrainDraftJob(output=Path("."))
+    with pytest.raises(SpecforkError, match="cannot create or write"):
+        TrainDraftJob(output=Path("/proc/specfork-draft"), work_dir=tmp_path / "w")
+
+
+def test_saving_replaces_the_output_and_touches_no_other_directory(tmp_path):
+    from specfork.training.trainer import publish_directory
+
+    output, neighbour = tmp_path / "draft", tmp_path / "draft.tmp"  # the name the save once used for itself
+    neighbour.mkdir()
+    (neighbour / "notes.txt").write_text("the user's")
+    publish_directory(output, lambda d: (d / "config.json").write_text("1"))
+    publish_directory(output, lambda d: (d / "config.json").write_text("2"))
+    assert (output / "config.json").read_text() == "2" and (neighbour / "notes.txt").is_file()
+    with pytest.raises(RuntimeError):  # a save that fails leaves the earlier result and no temporary directory
+        publish_directory(output, lambda d: (_ for _ in ()).throw(RuntimeError("disk full")))
+    assert (output / "config.json").read_text() == "2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["draft", "draft.tmp"]
+
+
+def test_export_gguf_refuses_outputs_it_would_break_and_eagle3_heads(tiny_checkpoints, head_pair, tmp_path):
+    from specfork.loading.gguf_export import export_gguf
+
+    source = tiny_checkpoints["llama-gqa-tied"].path
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "file").write_text("x")
+    for output, message in ((tmp_path / "dir", "is a directory"), (tmp_path / "file" / "x.gguf", "is a file"),
+                            (Path("/proc/x.gguf"), "not writable")):
+        with pytest.raises(SpecforkError, match=message):
+            export_gguf(source, output, vocab_from=None)
+    first = export_gguf(source, tmp_path / "a.gguf", vocab_from=None)
+    with pytest.raises(SpecforkError, match="is the --vocab-from model itself"):
+        export_gguf(source, first, vocab_from=first)
+    with pytest.raises(SpecforkError, match="is an EAGLE-3 head"):
+        export_gguf(head_pair["draft"], tmp_path / "h.gguf", vocab_from=None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.gguf", "dir", "file"]  # no temporary file left
 
 
 def test_options_of_the_other_kind_and_a_missing_init_head_are_refused(tmp_path):

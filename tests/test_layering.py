@@ -26,6 +26,7 @@ FORBIDDEN = {
     "native_kernels": ("sampling", "speculative", "engine", "models", "layers", "loading", "serve", "bench", "training",
                        "cli", "llm"),
     "sampling": ("speculative", "engine", "models", "layers", "serve", "bench", "training", "cli", "llm"),
+    "output_paths": ("speculative", "engine", "models", "layers", "serve", "bench", "training", "cli", "llm"),
     "datasets": ("speculative", "engine", "models", "layers", "serve", "bench", "training", "cli", "llm"),
     "training": ("bench", "serve", "cli"),  # prompt sets come from specfork.datasets, shared with bench
 }

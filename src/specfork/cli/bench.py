@@ -8,7 +8,7 @@ from pathlib import Path
 
 from specfork.bench.settings import SWEEPABLE, BenchSettings
 from specfork.cli import schema
-from specfork.cli.paths import check_output_directory
+from specfork.output_paths import check_output_directory
 
 HELP = "benchmark AR / SD / SSD / n-gram side by side (and peers): table, JSON, Markdown, PNG"
 DESCRIPTION = (

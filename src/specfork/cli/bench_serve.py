@@ -8,7 +8,7 @@ from pathlib import Path
 
 from specfork.bench.serve_bench import ServeBenchSettings
 from specfork.cli import schema
-from specfork.cli.paths import check_output_directory
+from specfork.output_paths import check_output_directory
 
 HELP = "drive a running server with Poisson arrivals; latency and throughput per request rate"
 DESCRIPTION = (

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from specfork.cli import schema
 from specfork.cli.parser import add_engine_options, engine_options
-from specfork.cli.paths import check_output_file
 from specfork.errors import PromptError, SpecforkError
+from specfork.output_paths import check_output_file
 from specfork.sampling_params import SamplingParams
 
 DEMO_PROMPT = "Write a Python function that checks whether a number is prime."

@@ -10,10 +10,13 @@ and it is what makes the file acceptable as that target's draft.
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from specfork.errors import ModelLoadError, SpecforkError
+from specfork.output_paths import check_output_file
 
 if TYPE_CHECKING:
     import torch
@@ -122,6 +125,7 @@ def export_gguf(checkpoint: str | Path, output: str | Path, *, vocab_from: str |
     tokenizer (specfork still loads the file, llama.cpp does not)."""
     import gguf
 
+    from specfork.loading.eagle3 import is_eagle3_checkpoint
     from specfork.loading.resolve import CheckpointFormat, resolve_checkpoint
     from specfork.loading.safetensors import load_safetensors, read_hf_config
 
@@ -130,6 +134,9 @@ def export_gguf(checkpoint: str | Path, output: str | Path, *, vocab_from: str |
     location = resolve_checkpoint(str(checkpoint))
     if location.format is not CheckpointFormat.HF_DIR:
         raise SpecforkError(f"{checkpoint} is not an HF checkpoint directory (config.json + safetensors)")
+    if is_eagle3_checkpoint(location.path):
+        raise SpecforkError(f"{checkpoint} is an EAGLE-3 head; export-gguf writes draft models (llama.cpp's GGUF "
+                            "has no EAGLE-3 head layout), and specfork loads the head's directory as it is")
     arch = read_hf_config(location.path)
     if arch.architecture != "llama":
         raise SpecforkError(f"export-gguf writes Llama-architecture models; {checkpoint} is {arch.architecture!r}")
@@ -141,9 +148,11 @@ def export_gguf(checkpoint: str | Path, output: str | Path, *, vocab_from: str |
         if vocab_location.format is not CheckpointFormat.GGUF:
             raise SpecforkError(f"--vocab-from must be a GGUF file (or an alias of one); {vocab_from} is not")
         vocab_path = vocab_location.path
-    tensors = load_safetensors(location.path)
     output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
+    check_output_file(output, "the output")
+    if vocab_path is not None and output.exists() and output.resolve() == Path(vocab_path).resolve():
+        raise SpecforkError(f"the output {output} is the --vocab-from model itself; writing it would replace that model")
+    tensors = load_safetensors(location.path)
     qtype = {
         "f32": gguf.GGMLQuantizationType.F32,
         "f16": gguf.GGMLQuantizationType.F16,
@@ -157,9 +166,25 @@ def export_gguf(checkpoint: str | Path, output: str | Path, *, vocab_from: str |
         "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
     }[out_type]
 
-    tmp = output.with_name(output.name + ".tmp")
-    writer = gguf.GGUFWriter(str(tmp), "llama")
-    _write_config(writer, arch, location.path.name, file_type)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{output.name}.writing-", dir=output.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        _write_gguf(gguf, tmp, arch, location.path.name, file_type, vocab_path, tensors, qtype)
+        tmp.chmod(0o644)  # mkstemp's 0600 would become the published file's
+        tmp.replace(output)
+    finally:
+        tmp.unlink(missing_ok=True)
+    try:
+        gguf.GGUFReader(str(output))
+    except Exception as e:  # pragma: no cover - a writer bug, not user input
+        raise ModelLoadError(f"the GGUF just written to {output} does not read back: {e}") from None
+    return output
+
+
+def _write_gguf(gguf, path: Path, arch, name: str, file_type, vocab_path: Path | None, tensors: dict, qtype) -> None:
+    writer = gguf.GGUFWriter(str(path), "llama")
+    _write_config(writer, arch, name, file_type)
     if vocab_path is not None:
         _copy_tokenizer_fields(writer, vocab_path, arch.vocab_size)
     else:
@@ -173,9 +198,3 @@ def export_gguf(checkpoint: str | Path, output: str | Path, *, vocab_from: str |
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    tmp.replace(output)
-    try:
-        gguf.GGUFReader(str(output))
-    except Exception as e:  # pragma: no cover - a writer bug, not user input
-        raise ModelLoadError(f"the GGUF just written to {output} does not read back: {e}") from None
-    return output

@@ -166,9 +166,13 @@ class TrainDraftJob:
         if self.output is None:
             raise SpecforkError("train-draft needs an output directory (--output)")
         object.__setattr__(self, "output", Path(self.output))
+        if not self.output.resolve().name or not self.output.name or self.output.name in (".", ".."):
+            raise SpecforkError(f"--output {str(self.output)!r}: give the directory a name of its own (saving "
+                                "replaces it as a whole)")
         if self.work_dir is None:
             object.__setattr__(self, "work_dir", self.output.with_name(self.output.name + ".work"))
         object.__setattr__(self, "work_dir", Path(self.work_dir))
+        check_work_dir(self.work_dir, self.output)
         if self.generation_batch < 1 or self.eval_tokens < 1 or self.eval_prompts < 0:
             raise SpecforkError("generation_batch and eval_tokens must be >= 1, eval_prompts >= 0")
         check_replaceable_output(self.output)
@@ -179,11 +183,36 @@ class TrainDraftJob:
             raise SpecforkError(only_for(changed, needs))
 
 
+# The files a train-draft save writes (HF config, weights, tokenizer, provenance records).
+RESULT_FILE_PATTERNS = ("*.json", "*.safetensors", "merges.txt", "*.model", "*.jinja")
+
+
 def check_replaceable_output(output: Path) -> None:
-    """Refuse, before any work, an output that saving would destroy or cannot create: a file, or a
-    directory holding anything but an earlier train-draft result (saving replaces the directory)."""
-    if output.exists() and not output.is_dir():
-        raise SpecforkError(f"--output {output} is a file; give a directory to create")
-    if output.is_dir() and any(output.iterdir()) and not (output / "specfork_draft.json").is_file():
+    """Refuse, before any work, an output that saving would destroy or cannot create: a file, a
+    directory that cannot be created, or one holding anything but an earlier train-draft result
+    (saving replaces the directory, so a file of the user's in it would be lost)."""
+    from specfork.output_paths import check_output_directory
+
+    check_output_directory(output, "--output")
+    if not output.is_dir() or not any(output.iterdir()):
+        return
+    if not (output / "specfork_draft.json").is_file():
         raise SpecforkError(f"--output {output} already holds files that are not a train-draft result; saving "
                             "replaces the whole directory, so give a new or empty one")
+    foreign = sorted(p.name for p in output.iterdir()
+                     if not p.is_file() or not any(p.match(pattern) for pattern in RESULT_FILE_PATTERNS))
+    if foreign:
+        raise SpecforkError(f"--output {output} is an earlier train-draft result but also holds {', '.join(foreign[:5])}"
+                            f"{' ...' if len(foreign) > 5 else ''}, which saving would delete (it replaces the "
+                            "whole directory); move them or give another --output")
+
+
+def check_work_dir(work_dir: Path, output: Path) -> None:
+    """The work dir must survive the save (which replaces ``output`` as a whole) and be creatable."""
+    from specfork.output_paths import check_output_directory
+
+    work, out = work_dir.resolve(), output.resolve()
+    if work == out or out in work.parents:
+        raise SpecforkError(f"--work-dir {work_dir} is inside --output {output}, which saving replaces as a whole "
+                            "(the data and checkpoints would be deleted); give a directory outside it")
+    check_output_directory(work_dir, "--work-dir")

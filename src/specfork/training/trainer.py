@@ -20,6 +20,7 @@ import math
 import pickle
 import random
 import shutil
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -312,12 +313,16 @@ def save_draft(model, tokenizer, output: Path, provenance: dict) -> None:
 
 def publish_directory(output: Path, write) -> None:
     """``write(tmp)`` fills a fresh directory beside ``output``, which then replaces ``output``
-    (an interrupted save leaves the previous one, never half of one)."""
-    tmp = output.with_name(output.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    write(tmp)
-    if output.exists():
-        shutil.rmtree(output)
-    tmp.replace(output)
+    (an interrupted save leaves the previous one, never half of one). The fresh directory has a
+    name of its own (hidden, unique), so no directory of the user's is ever taken for it."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.saving-", dir=output.parent))
+    tmp.chmod(0o755)  # mkdtemp's 0700 would become the published directory's
+    try:
+        write(tmp)
+        if output.exists():
+            shutil.rmtree(output)
+        tmp.replace(output)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
