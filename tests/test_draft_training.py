@@ -213,6 +213,40 @@ def test_resume_loads_tensors_and_plain_data_only(tmp_path):
     assert not _Payload.ran
 
 
+def test_a_checkpoint_resumes_only_on_its_data_and_settings_and_a_damaged_one_is_named(tmp_path):
+    """More prompts in the same work dir used to resume the old run's checkpoint silently, on a
+    training set it was not trained on."""
+    from specfork.training.data import Example
+    from specfork.training.trainer import DraftTrainer, TrainSettings
+
+    examples = [Example("test", f"e{i}", [1, 2, 3], [4, 5, i]) for i in range(8)]
+    settings = TrainSettings(epochs=1.0, batch_tokens=64, max_seq_len=16)
+
+    def trainer(data, train=settings):
+        return DraftTrainer(torch.nn.Linear(4, 4), data, train, tmp_path, pad_id=0, device=torch.device("cpu"))
+
+    first = trainer(examples)
+    first.step = 3
+    first.save_checkpoint()
+    assert trainer(list(examples)).try_resume()  # the same sequences, another list
+    more = examples + [Example("test", "e8", [1, 2], [3, 4])]
+    with pytest.raises(SpecforkError, match="trained on other data .*examples"):
+        trainer(more).try_resume()
+    with pytest.raises(SpecforkError, match=r"other training settings \(lr 0.002 -> 0.001\)"):
+        trainer(examples, TrainSettings(epochs=1.0, batch_tokens=64, max_seq_len=16, lr=1e-3)).try_resume()
+    (tmp_path / "last.pt").write_bytes((tmp_path / "last.pt").read_bytes()[:100])
+    with pytest.raises(SpecforkError, match="last.pt cannot be read .* damaged"):
+        trainer(examples).try_resume()
+
+
+def test_a_damaged_data_shard_is_named(tmp_path):
+    from specfork.training.data import load_examples
+
+    (tmp_path / "shard_00000.pt").write_bytes(b"PK\x03\x04 truncated")
+    with pytest.raises(SpecforkError, match="shard_00000.pt cannot be read .* damaged: remove it"):
+        load_examples(tmp_path)
+
+
 class _Payload:
     """Unpickling this object would call ``_Payload.run``."""
 
@@ -357,3 +391,26 @@ def test_options_of_the_other_kind_and_a_missing_init_head_are_refused(tmp_path)
         TrainDraftJob(output=tmp_path / "d", kind="eagle3", arch=DraftArch(num_layers=2))
     with pytest.raises(SpecforkError, match="not an EAGLE-3 head directory"):
         Eagle3Settings(init_head=tmp_path / "nonexistent")
+    draft_model = tmp_path / "draft-model"  # a directory with a config.json, but a draft model's
+    draft_model.mkdir()
+    (draft_model / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(SpecforkError, match="does not name the EAGLE-3 draft architecture"):
+        Eagle3Settings(init_head=draft_model)
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"grad_clip": -1.0}, "--grad-clip must be a finite number > 0"),  # had trained by gradient ascent
+    ({"epochs": float("inf")}, "--epochs must be a finite number"),  # an OverflowError after the data phase
+    ({"min_lr_ratio": 5.0}, "--min-lr-ratio must be in"),
+    ({"warmup_steps": -1}, "--warmup-steps must be >= 0"),
+    ({"weight_decay": -0.1}, "--weight-decay must be"),
+    ({"lr": float("nan")}, "--lr must be"),
+])
+def test_training_settings_out_of_range_are_refused(settings, message):
+    with pytest.raises(SpecforkError, match=message):
+        TrainSettings(**settings)
+
+
+def test_train_draft_threads_out_of_range_are_refused(tmp_path):
+    with pytest.raises(SpecforkError, match="--threads must be in 1..1024, got -1"):
+        TrainDraftJob(output=tmp_path / "d", threads=-1)

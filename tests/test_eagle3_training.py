@@ -256,6 +256,10 @@ def test_interrupted_training_resumes_to_the_same_weights(trained, examples, tar
     assert [r["loss"] for r in resumed.history] == [r["loss"] for r in straight.history]
     for (name, a), b in zip(straight.head.state_dict().items(), resumed.head.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
+    other_vocab = build_head(loaded, config, torch.arange(1, 256, 2))  # same size, other ids: rows for other tokens
+    with pytest.raises(SpecforkError, match="trained on other data .*draft_ids"):
+        Eagle3Trainer(other_vocab, store, examples, job.train, job.eagle3, other_vocab.lm_head.weight.detach().clone(),
+                      tmp_path / "interrupted", torch.device("cpu")).try_resume()
 
 
 @pytest.mark.parametrize("instructions", [(), ("_is_avx512_bf16_supported",), ("_is_amx_tile_supported",)])

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 import random
 import re
 from dataclasses import dataclass
@@ -143,10 +144,19 @@ def next_shard_index(directory: Path) -> int:
     return 1 + max((int(p.stem.split("_")[1]) for p in directory.glob("shard_*.pt")), default=-1)
 
 
+def load_shard(path: Path, mmap: bool = False):
+    """A shard of a work dir (tensors and plain data only), or a clear error naming a damaged one."""
+    try:
+        return torch.load(path, weights_only=True, mmap=mmap)
+    except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as e:
+        raise SpecforkError(f"{path} cannot be read ({str(e).splitlines()[0]}); it is damaged: remove it (the next "
+                            "run computes what it held again) or use another --work-dir") from None
+
+
 def load_examples(data_dir: Path) -> list[Example]:
     examples: list[Example] = []
     for path in sorted(data_dir.glob("shard_*.pt")):
-        for row in torch.load(path, weights_only=True):
+        for row in load_shard(path):
             examples.append(Example(row["source"], row["id"], row["prompt_ids"], row["response_ids"]))
     return examples
 

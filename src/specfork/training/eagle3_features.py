@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from specfork.errors import SpecforkError
-from specfork.training.data import Example, check_manifest, next_shard_index, shard_path
+from specfork.training.data import Example, check_manifest, load_shard, next_shard_index, shard_path
 from specfork.training.settings import DRAFT_VOCAB_SIZES
 
 logger = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ class FeatureStore:
 
 def stored_sequences(directory: Path) -> tuple[list[list[dict]], dict[bytes, tuple[int, int]]]:
     """The shards under ``directory`` (memory-mapped) and where each sequence lies in them."""
-    shards = [torch.load(p, weights_only=True, mmap=True) for p in sorted(directory.glob("shard_*.pt"))]
+    shards = [load_shard(p, mmap=True) for p in sorted(directory.glob("shard_*.pt"))]
     where: dict[bytes, tuple[int, int]] = {}
     for s, shard in enumerate(shards):
         for r, record in enumerate(shard):

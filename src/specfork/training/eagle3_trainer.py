@@ -12,6 +12,7 @@ it is right, so the run is exact, not an estimate; positions near a sequence's e
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
@@ -27,6 +28,7 @@ from specfork.training.eagle3_head import Batch, Eagle3TrainHead, TTTResult, ttt
 from specfork.training.settings import Eagle3Settings, TrainSettings
 from specfork.training.trainer import (
     adamw,
+    examples_digest,
     is_eval_example,
     make_batches,
     optimizer_step,
@@ -99,13 +101,16 @@ class Eagle3Trainer:
         self.train = [i for i in usable if not is_eval_example(examples[i])]
         self.held_out = [i for i in usable if is_eval_example(examples[i])]
         if not self.train:
-            raise SpecforkError("no training examples: generate more data (--num-prompts)")
+            raise SpecforkError("no training examples: a head needs responses of 2 tokens or more outside the held-out "
+                                "share; generate more data (--num-prompts) or longer responses (--max-new-tokens)")
         self.steps_per_epoch = len(self._batches(self.train, settings.seed))
         self.total_steps = max(1, math.ceil(self.steps_per_epoch * settings.epochs))
         self.optimizer = adamw(self.head, settings)
         trained_by = {k: str(v) if isinstance(v, Path) else v  # what decides the weights (plain data)
                       for k, v in asdict(eagle).items() if k != "feature_batch"}
         self.identity = {"train": asdict(settings), "eagle3": trained_by, "draft_vocab": len(head.draft_ids)}
+        self.data = {"examples": examples_digest(examples),
+                     "draft_ids": hashlib.sha256(head.draft_ids.cpu().numpy().astype("int64").tobytes()).hexdigest()}
         self.step = 0
         self.history: list[dict] = []
         self.curve: list[dict] = []  # the held-out evaluation at each checkpoint
@@ -124,10 +129,11 @@ class Eagle3Trainer:
             "history": self.history,
             "curve": self.curve,
             "settings": self.identity,
+            "data": self.data,
         })
 
     def try_resume(self) -> bool:
-        state = read_checkpoint(self.checkpoint_dir, self.device, self.identity)
+        state = read_checkpoint(self.checkpoint_dir, self.device, self.identity, self.data)
         if state is None:
             return False
         self.head.load_state_dict(state["model"])

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from specfork.errors import SpecforkError
 from specfork.training.data import generate_examples, training_prompts, without_earlier
 from specfork.training.settings import TrainDraftJob
 from specfork.training.trainer import (
@@ -59,6 +60,9 @@ def target_responses(job: TrainDraftJob):
         torch.set_num_threads(job.threads)
     started = time.time()
     llm = target_llm(job)
+    if job.eval_prompts and job.eval_tokens >= llm.max_model_len:
+        raise SpecforkError(f"--eval-tokens {job.eval_tokens} leaves no room for a prompt in the target's context "
+                            f"({llm.max_model_len} tokens); lower it, or skip the check with --eval-prompts 0")
     t0 = time.time()
     examples = generate_data(job, llm)
     corpus = write_lookup_corpus(job.work_dir / LOOKUP_CORPUS, examples, llm.engine.loaded.arch.vocab_size)

@@ -3,10 +3,11 @@ Importing it costs nothing (no torch), so ``specfork --help`` stays fast."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from specfork.config import DEFAULT_MODEL
+from specfork.config import DEFAULT_MODEL, MAX_THREADS
 from specfork.errors import SpecforkError
 from specfork.options import flag_of, int_or_auto, only_for, option
 
@@ -76,14 +77,23 @@ class TrainSettings:
     seed: int = option(0, "data order, prompt selection and init", group=TRAIN)
 
     def __post_init__(self) -> None:
-        if not self.epochs > 0:
-            raise SpecforkError(f"epochs must be > 0, got {self.epochs}")
+        if not 0 < self.epochs < math.inf:
+            raise SpecforkError(f"--epochs must be a finite number > 0, got {self.epochs}")
         if self.batch_tokens < self.max_seq_len:
             raise SpecforkError(f"batch_tokens ({self.batch_tokens}) must be >= max_seq_len ({self.max_seq_len})")
         if self.max_seq_len < 16:
             raise SpecforkError(f"max_seq_len must be >= 16, got {self.max_seq_len}")
-        if not self.lr > 0:
-            raise SpecforkError(f"lr must be > 0, got {self.lr}")
+        if not 0 < self.lr < math.inf:
+            raise SpecforkError(f"--lr must be a finite number > 0, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise SpecforkError(f"--min-lr-ratio must be in [0, 1] (a share of --lr), got {self.min_lr_ratio}")
+        if self.warmup_steps < 0:
+            raise SpecforkError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+        if not 0 <= self.weight_decay < math.inf:
+            raise SpecforkError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}")
+        if not 0 < self.grad_clip < math.inf:
+            raise SpecforkError(f"--grad-clip must be a finite number > 0 (the largest gradient norm), got "
+                                f"{self.grad_clip}")
         if self.checkpoint_every < 1:
             raise SpecforkError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
 
@@ -130,8 +140,11 @@ class Eagle3Settings:
         if self.reselect_draft_vocab and self.init_head is None:
             raise SpecforkError("--reselect-draft-vocab re-chooses the vocabulary of the --init-head head; give "
                                 "--init-head too (a new head always chooses its vocabulary)")
-        if self.init_head is not None and not (Path(self.init_head) / "config.json").is_file():
-            raise SpecforkError(f"--init-head {self.init_head}: not an EAGLE-3 head directory (no config.json there)")
+        from specfork.loading.eagle3 import is_eagle3_checkpoint  # (torch: not at the CLI schema's import)
+
+        if self.init_head is not None and not is_eagle3_checkpoint(Path(self.init_head)):
+            raise SpecforkError(f"--init-head {self.init_head}: not an EAGLE-3 head directory (its config.json does "
+                                "not name the EAGLE-3 draft architecture)")
         if self.draft_vocab_corpus is not None and not Path(self.draft_vocab_corpus).is_file():
             raise SpecforkError(f"--draft-vocab-corpus {self.draft_vocab_corpus}: no such file (a lookup corpus "
                                 "written by train-draft, WORK_DIR/lookup_corpus.npz)")
@@ -174,7 +187,9 @@ class TrainDraftJob:
         object.__setattr__(self, "work_dir", Path(self.work_dir))
         check_work_dir(self.work_dir, self.output)
         if self.generation_batch < 1 or self.eval_tokens < 1 or self.eval_prompts < 0:
-            raise SpecforkError("generation_batch and eval_tokens must be >= 1, eval_prompts >= 0")
+            raise SpecforkError("--generation-batch and --eval-tokens must be >= 1, --eval-prompts >= 0")
+        if self.threads is not None and not 1 <= self.threads <= MAX_THREADS:
+            raise SpecforkError(f"--threads must be in 1..{MAX_THREADS}, got {self.threads}")
         check_replaceable_output(self.output)
         other, unused = (self.eagle3, Eagle3Settings()) if self.kind == "draft" else (self.arch, DraftArch())
         changed = [flag_of(f) for f in fields(other) if getattr(other, f.name) != getattr(unused, f.name)]

@@ -22,6 +22,7 @@ import random
 import shutil
 import tempfile
 import time
+from array import array
 from dataclasses import asdict
 from pathlib import Path
 
@@ -173,8 +174,21 @@ def write_checkpoint(directory: Path, state: dict) -> None:
     tmp.replace(directory / "last.pt")
 
 
-def read_checkpoint(directory: Path, device, settings: dict) -> dict | None:
-    """The state in ``directory/last.pt`` (None: there is none), if it was written with ``settings``."""
+def examples_digest(examples: list[Example]) -> str:
+    """A digest of training sequences (their token ids, in order): what a checkpoint was trained
+    on, so that it resumes on that data only."""
+    digest = hashlib.sha256()
+    for e in examples:
+        for ids in (e.prompt_ids, e.response_ids):
+            digest.update(array("q", ids).tobytes())
+            digest.update(b"|")
+    return digest.hexdigest()
+
+
+def read_checkpoint(directory: Path, device, settings: dict, data: dict | None = None) -> dict | None:
+    """The state in ``directory/last.pt`` (None: there is none), if it was written with
+    ``settings`` and trained on ``data`` (digests; a checkpoint older than that record is taken
+    as it is)."""
     path = directory / "last.pt"
     if not path.exists():
         return None
@@ -186,11 +200,34 @@ def read_checkpoint(directory: Path, device, settings: dict) -> dict | None:
             f"{path} holds objects other than tensors and plain data; it is not loaded (a checkpoint "
             "written by this trainer never does), remove it or use another --work-dir"
         ) from None
+    except (RuntimeError, OSError, EOFError) as e:
+        raise SpecforkError(f"{path} cannot be read ({e}); it is damaged (an interrupted copy?): remove it to "
+                            "train from the start, or use another --work-dir") from None
     if state["settings"] != settings:
+        changed = _differences(state["settings"], settings)
         raise SpecforkError(
-            f"{path} was written with other training settings; use the same settings to resume, or another --work-dir"
+            f"{path} was written with other training settings ({', '.join(changed)}); use the same settings to "
+            f"resume, remove {directory} to train afresh, or use another --work-dir"
+        )
+    if data is not None and state.get("data", data) != data:
+        changed = _differences(state["data"], data)
+        raise SpecforkError(
+            f"{path} was trained on other data ({', '.join(changed)} differ: --num-prompts, --skip-prompts or the "
+            f"data options changed); remove {directory} to train afresh on this data, or use another --work-dir"
         )
     return state
+
+
+def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """The keys whose values differ between two records (nested records by their dotted keys)."""
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key} {a!r} -> {b!r}" if not isinstance(a, str) or len(a) < 40 else f"{prefix}{key}")
+    return out
 
 
 @torch.no_grad()
@@ -231,6 +268,7 @@ class DraftTrainer:
         self.steps_per_epoch = per_epoch
         self.total_steps = max(1, math.ceil(per_epoch * settings.epochs))
         self.optimizer = adamw(self.model, settings)
+        self.data = {"examples": examples_digest(examples)}
         self.step = 0
         self.history: list[dict] = []
 
@@ -244,10 +282,11 @@ class DraftTrainer:
             "optimizer": self.optimizer.state_dict(),
             "history": self.history,
             "settings": asdict(self.settings),
+            "data": self.data,
         })
 
     def try_resume(self) -> bool:
-        state = read_checkpoint(self.checkpoint_dir, self.device, asdict(self.settings))
+        state = read_checkpoint(self.checkpoint_dir, self.device, asdict(self.settings), self.data)
         if state is None:
             return False
         self.model.load_state_dict(state["model"])
