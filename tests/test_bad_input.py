@@ -243,6 +243,32 @@ def test_cli_prompts_file_errors(tmp_path, tiny_dir):
         assert message.replace("line 2: ", "") in r.stderr and "Traceback" not in r.stderr, (message, r.stderr)
     r = run_main("generate", "--model", str(tiny_dir), "--prompts-file", str(tmp_path / "missing.jsonl"))
     assert r.returncode == 2 and "cannot read prompts file" in r.stderr
+    r = run_main("generate", "--model", str(tiny_dir), "--prompts-file", str(tmp_path / "p0.jsonl"), "--raw")
+    assert r.returncode == 2 and "--raw is for --prompt" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("options, message", [
+    # options of a proposer or loader the run does not use: ignored before, exit 0
+    (dict(mode="sd", drafter="ngram", draft="smollm2-135m-draft"), "--draft is for a draft model"),
+    (dict(mode="sd", drafter="ngram", draft_confidence=0.5), "--draft-confidence is for a draft model"),
+    (dict(mode="ssd", corpus_tokens=3), "--corpus-tokens caps"),
+    (dict(mode="sd", lookup_corpus="none", corpus_tokens=3), "--corpus-tokens caps"),
+    (dict(quantize_group=64), "give --quantize int4 too"),
+])
+def test_options_the_run_would_ignore_are_refused(options, message):
+    from specfork.config import Config
+
+    with pytest.raises(SpecforkError, match=message):
+        Config(**options)
+
+
+def test_a_draft_confidence_for_a_draft_model_and_a_context_past_the_cache_are_refused(tiny_dir):
+    with pytest.raises(SpecforkError, match="--draft-confidence is the confidence floor of an EAGLE-3 head"):
+        LLM(str(tiny_dir), mode="sd", draft=str(tiny_dir), draft_confidence=0.5)
+    # max_model_len 60 of the model's 64 positions, in a cache of 2 blocks (32 tokens): was cut to 32 silently
+    with pytest.raises(SpecforkError, match="max_model_len 60 does not fit in the KV cache, which holds 32 tokens"):
+        LLM(str(tiny_dir), max_model_len=60, num_kv_blocks=2)
+    assert LLM(str(tiny_dir), num_kv_blocks=2).max_model_len == 32  # not asked for: the cache's length
 
 
 def test_cli_prompts_file_output_in_order(tmp_path, tiny_dir):

@@ -80,6 +80,8 @@ def test_lookup_first_is_refused_where_it_means_nothing(options, message):
 @pytest.mark.parametrize("options, confidence, lookup", [
     (dict(mode="sd"), 0.3, 2),  # the shipped draft: its measured settings
     (dict(mode="sd", draft="default", ngram_max=1), 0.3, 1),
+    (dict(mode="sd", draft="smollm2-135m-eagle3"), 0.3, 2),  # the shipped head by name: the same
+    (dict(mode="sd", draft="smollm2-135m-draft"), 0.0, 0),  # the other shipped draft: plain
     (dict(mode="sd", draft_confidence=0.0, lookup_first=0), 0.0, 0),  # asked for: kept
     (dict(mode="sd", draft="path/to/my-head", draft_confidence=0.5), 0.5, 0),  # another draft: plain
     (dict(mode="sd", draft="path/to/my-draft"), 0.0, 0),

@@ -266,3 +266,33 @@ def test_first_contact_commands(embedded):
         assert r.returncode == 0 and "already built" in r.stdout
     r = _cli("generate", "--max-tokens", "2")
     assert r.returncode == 0 and "no --prompt given; using the demo prompt" in r.stderr and r.stdout.strip()
+
+
+def test_a_build_killed_by_a_signal_leaves_no_lock_that_later_builds_wait_on(tmp_path):
+    """torch's build lock is a plain file: a build killed while holding it left every later
+    `specfork` command waiting forever, silently. The build's own lock goes with its process."""
+    import threading
+
+    from specfork.native_kernels import exclusive_build
+
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from pathlib import Path; from specfork.native_kernels import exclusive_build\n"
+        "with exclusive_build(Path(sys.argv[1])):\n"
+        "    (Path(sys.argv[1]) / 'lock').write_text('torch')\n"
+        "    print('holding', flush=True); time.sleep(60)\n"), str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "holding"
+    entered = threading.Event()
+
+    def build():
+        with exclusive_build(tmp_path):
+            entered.set()
+
+    waiter = threading.Thread(target=build, daemon=True)
+    waiter.start()
+    assert not entered.wait(1.0)  # a live build holds it: wait
+    assert (tmp_path / "lock").exists()
+    holder.kill()  # the build dies holding both locks (SIGKILL: nothing of its own runs)
+    holder.wait()
+    assert entered.wait(10.0)  # the next build goes on at once, torch's stale lock removed
+    waiter.join()
+    assert not (tmp_path / "lock").exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
 
 from specfork.errors import SpecforkError
 from specfork.fanout import parse_fanout, uniform_fanout
@@ -24,6 +25,7 @@ DRAFTERS = ("draft", "ngram")
 WEIGHTS = ("native", "native-int8", "fp32")
 QUANTIZE = ("int4",)
 QUANTIZE_GROUPS = (32, 64, 128)
+DEFAULT_QUANTIZE_GROUP = 32
 K_MAX = 8  # the most tokens k "auto" may propose in a round
 SSD_DEFAULT_K = 5  # SSD's k when none is given (SD's is "auto")
 MAX_THREADS = 1024  # --threads beyond this crashes OpenMP (thread creation fails, or a segfault)
@@ -154,7 +156,7 @@ class Config:
                           choices=WEIGHTS, group=ENGINE)
     quantize: str | None = option(None, "quantise an HF checkpoint's projections to 4 bits at load, for the same "
                                   "kernel (default: off, float32)", choices=QUANTIZE, group=ENGINE)
-    quantize_group: int = option(32, "inputs per scale for --quantize", choices=QUANTIZE_GROUPS, group=ENGINE)
+    quantize_group: int = option(DEFAULT_QUANTIZE_GROUP, "inputs per scale for --quantize", choices=QUANTIZE_GROUPS, group=ENGINE)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -250,6 +252,21 @@ class Config:
         # Last, so that the specific checks above speak first where they apply; from the options as
         # given, before defaults were filled in.
         self._refuse_options_of_other_modes(stray)
+        self._refuse_options_of_other_sources()
+
+    def _refuse_options_of_other_sources(self) -> None:
+        """Options of a proposer or loader this run does not use, refused rather than ignored."""
+        if self.mode == "sd" and self.drafter == "ngram":
+            for f in fields(self):
+                if f.name in ("draft", "draft_confidence") and getattr(self, f.name) is not None:
+                    raise SpecforkError(f"{flag_of(f)} is for a draft model or EAGLE-3 head (--drafter draft); "
+                                        "--drafter ngram proposes by prompt lookup and loads no draft")
+        if self.corpus_tokens != DEFAULT_CORPUS_TOKENS and (not self.prompt_lookup or self.lookup_corpus == "none"):
+            raise SpecforkError("--corpus-tokens caps the proposals of the lookup corpus, which only SD's prompt "
+                                "lookup searches (--mode sd with --drafter ngram or --lookup-first N, and a "
+                                "--lookup-corpus); this run searches none")
+        if self.quantize is None and self.quantize_group != DEFAULT_QUANTIZE_GROUP:
+            raise SpecforkError("--quantize-group is the group size of --quantize; give --quantize int4 too")
 
     def _options_of_other_modes(self) -> list:
         """The speculative options given (not at their defaults) that this mode would ignore. (k is
@@ -324,8 +341,12 @@ class Config:
 
     @property
     def shipped_draft(self) -> bool:
-        """SD drafts with the draft shipped for the embedded model (no --draft, or 'default')."""
-        return self.mode == "sd" and self.drafter == "draft" and self.draft in (None, "default")
+        """SD drafts with the draft shipped for the embedded model (no --draft, 'default', or that
+        draft's name, e.g. smollm2-135m-eagle3: named, it gets the defaults measured for it too)."""
+        from specfork.loading.resolve import DEFAULT_DRAFT, SHIPPED_DRAFTS
+
+        preferred = {Path(names[0]).stem for names in SHIPPED_DRAFTS.values()}
+        return self.mode == "sd" and self.drafter == "draft" and (self.draft in (None, DEFAULT_DRAFT) or self.draft in preferred)
 
     @property
     def head_confidence(self) -> float:

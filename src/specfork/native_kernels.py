@@ -4,10 +4,11 @@ run instead."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import logging
-import time
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
@@ -23,21 +24,39 @@ def build_directory() -> Path:
 # -ffp-contract=off: no multiply-add is fused unless the code asks for it (__builtin_fmaf, FMA
 # intrinsics), so element-wise arithmetic rounds exactly as the same PyTorch ops do.
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
-STALE_LOCK_S = 600.0  # a build takes a few minutes; an older lock was left by a killed build
 MODULE_NAME = "specfork_kernels"
 SOURCES = ("small_m_gemm.cpp", "quant_gemm.cpp", "rms_norm.cpp", "activation.cpp", "paged_attention.cpp",
            "decoder_layer.cpp", "sampling.cpp", "bindings.cpp")
 
 
 def keyed_directory() -> Path:
-    """Where the build for these sources, this torch and these flags lives (a cache: a second
-    install, or any later process, imports it without compiling)."""
+    """Where the build for these sources, this torch, these flags and this CPU lives (a cache: a
+    second install, or any later process, imports it without compiling). -march=native compiles
+    for the building CPU, so the CPU's instruction sets are part of the key: a cache shared with
+    another machine (a network home, a container image) builds anew rather than loading code its
+    CPU may not run."""
     import torch
 
-    digest = hashlib.sha256(torch.__version__.encode() + repr(FLAGS).encode())
+    digest = hashlib.sha256(torch.__version__.encode() + repr(FLAGS).encode() + cpu_identity().encode())
     for path in [_CSRC / name for name in SOURCES] + sorted(_CSRC.glob("*.h")) + sorted(_CSRC.glob("*.inc")):
         digest.update(path.name.encode() + path.read_bytes())
     return build_directory() / f"kernels-{digest.hexdigest()[:16]}"
+
+
+def cpu_identity() -> str:
+    """The CPU's model and instruction-set flags as the kernel reports them (Linux), else the
+    platform's processor name."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        import platform
+
+        return platform.processor() or platform.machine()
+    fields = {}
+    for line in lines:  # the first processor's entries
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return f"{fields.get('model name', '')}|{fields.get('flags', fields.get('Features', ''))}"
 
 
 def library_path() -> Path:
@@ -65,21 +84,41 @@ def kernels():
         if library.exists():
             return _import(MODULE_NAME, library)
         directory.mkdir(parents=True, exist_ok=True)
-        lock = directory / "lock"
-        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-            lock.unlink(missing_ok=True)
-        logger.info("compiling the native CPU kernels in %s (a few minutes, once)", directory)
-        return load(
-            name=MODULE_NAME,
-            sources=[str(_CSRC / name) for name in SOURCES],
-            build_directory=str(directory),
-            extra_cflags=list(FLAGS),
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        with exclusive_build(directory):
+            if library.exists():  # another process built it while this one waited
+                return _import(MODULE_NAME, library)
+            logger.info("compiling the native CPU kernels in %s (a few minutes, once)", directory)
+            return load(
+                name=MODULE_NAME,
+                sources=[str(_CSRC / name) for name in SOURCES],
+                build_directory=str(directory),
+                extra_cflags=list(FLAGS),
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
     except Exception as e:
         logger.warning("native CPU kernels unavailable (%s); using PyTorch ops", e)
         return None
+
+
+@contextmanager
+def exclusive_build(directory: Path):
+    """Hold the build of ``directory`` for this process alone. The lock is the kernel's (flock),
+    so it goes with its process, however that ends; torch's own build lock is a plain file, which
+    a build killed by a signal leaves behind, and every later build then waited on it forever
+    with no message. While this lock is held no other build runs, so such a file is stale and is
+    removed."""
+    with open(directory / "specfork-build.lock", "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.warning("another process is compiling the native CPU kernels in %s; waiting for it", directory)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        (directory / "lock").unlink(missing_ok=True)  # torch's, from a killed build
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _import(module_name: str, library: Path):

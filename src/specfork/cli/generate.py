@@ -97,6 +97,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.prompt == "":
         raise PromptError("prompt is empty")
+    if args.raw and args.prompts_file is not None:
+        raise SpecforkError("--raw is for --prompt; in a prompts file, {\"prompt\": ...} lines are raw text already "
+                            "and {\"messages\": ...} lines are chat-templated")
     if args.prompt is None and args.prompts_file is None:
         print(f"no --prompt given; using the demo prompt: {DEMO_PROMPT!r}", file=sys.stderr)
         args.prompt = DEMO_PROMPT

@@ -106,6 +106,12 @@ class LLMEngine:
             on_release=self._release,
         )
         capacity = num_blocks * config.block_size - config.lookahead
+        if requested_len is not None and requested_len > capacity:
+            raise SpecforkError(
+                f"max_model_len {requested_len} does not fit in the KV cache, which holds {capacity} tokens "
+                f"({num_blocks} blocks of {config.block_size}{', less the lookahead of k' if config.lookahead else ''}); "
+                "give a larger --kv-cache-tokens (num_kv_blocks) or a smaller --max-model-len"
+            )
         self.max_model_len = min(requested_len or arch.max_position_embeddings, capacity)
         self.num_kv_blocks = num_blocks
         self.step_strategy: Step = build_step(self) if build_step else AutoregressiveStep(self.runner)

@@ -104,6 +104,9 @@ def _load(model: str, *, device: torch.device, dtype: torch.dtype, max_positions
         resolve_checkpoint(model), with_tokenizer=with_tokenizer, native=weights.startswith("native")
     )
     tensors = read_tensors()
+    if quantize_group is not None and location.format is CheckpointFormat.GGUF:
+        logger.warning("--quantize applies to HF checkpoints; %s is a GGUF file and keeps its own quantisation",
+                       location.path)
     if location.format is not CheckpointFormat.GGUF and quantize_group is not None and device.type == "cpu" \
             and dtype == torch.float32:
         from specfork.layers.quantized import quantize_int4

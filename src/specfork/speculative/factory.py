@@ -60,6 +60,9 @@ def _proposer(engine: LLMEngine, spec) -> DraftModelProposer | Eagle3Proposer:
     """The in-process proposer for the draft ``spec`` (SD's, and SSD's fallback)."""
     if is_head(spec):
         return _head_proposer(engine, spec)
+    if engine.config.draft_confidence is not None:
+        raise SpecforkError(f"--draft-confidence is the confidence floor of an EAGLE-3 head's chains; the draft "
+                            f"{spec.path} is a draft model, whose chains run to k")
     return _draft_proposer(engine, load_draft(spec, engine.device, target=engine.loaded))
 
 
