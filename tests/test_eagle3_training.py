@@ -257,9 +257,10 @@ def test_interrupted_training_resumes_to_the_same_weights(trained, examples, tar
     for (name, a), b in zip(straight.head.state_dict().items(), resumed.head.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     other_vocab = build_head(loaded, config, torch.arange(1, 256, 2))  # same size, other ids: rows for other tokens
-    with pytest.raises(SpecforkError, match="trained on other data .*draft_ids"):
-        Eagle3Trainer(other_vocab, store, examples, job.train, job.eagle3, other_vocab.lm_head.weight.detach().clone(),
-                      tmp_path / "interrupted", torch.device("cpu")).try_resume()
+    assert not Eagle3Trainer(other_vocab, store, examples, job.train, job.eagle3,  # afresh, not on the old rows
+                             other_vocab.lm_head.weight.detach().clone(), tmp_path / "interrupted",
+                             torch.device("cpu")).try_resume()
+    assert (tmp_path / "interrupted" / "last.other-data-12-steps.pt").is_file()
 
 
 @pytest.mark.parametrize("instructions", [(), ("_is_avx512_bf16_supported",), ("_is_amx_tile_supported",)])

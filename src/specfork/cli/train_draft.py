@@ -18,7 +18,8 @@ DESCRIPTION = (
     "instead: one decoder layer reading the target's hidden states, trained with training-time "
     "test on features captured from the target. Everything is kept under --work-dir, so "
     "running the same command again resumes an interrupted run, and a run with a larger "
-    "--num-prompts in the same work dir answers and prefills only the new prompts. The target's "
+    "--num-prompts in the same work dir answers and prefills only the new prompts (and trains "
+    "afresh on them all: a checkpoint resumes only on the data it was trained on). The target's "
     "responses are also written there as lookup_corpus.npz, for SD's --lookup-corpus."
 )
 

@@ -210,11 +210,12 @@ def read_checkpoint(directory: Path, device, settings: dict, data: dict | None =
             f"resume, remove {directory} to train afresh, or use another --work-dir"
         )
     if data is not None and state.get("data", data) != data:
-        changed = _differences(state["data"], data)
-        raise SpecforkError(
-            f"{path} was trained on other data ({', '.join(changed)} differ: --num-prompts, --skip-prompts or the "
-            f"data options changed); remove {directory} to train afresh on this data, or use another --work-dir"
-        )
+        kept = path.with_name(f"last.other-data-{state['step']}-steps.pt")
+        path.replace(kept)
+        logger.warning("%s was trained on other data (%s differ: --num-prompts, --skip-prompts or the data options "
+                       "changed); training starts afresh on this data, the old checkpoint kept as %s",
+                       path, ", ".join(_differences(state["data"], data)), kept.name)
+        return None
     return state
 
 
