@@ -137,3 +137,14 @@ def test_a_field_the_command_line_cannot_read_is_refused_when_the_parser_is_buil
 
     with pytest.raises(TypeError, match="points"):
         schema.add_options(argparse.ArgumentParser(), Odd)
+
+
+def test_each_help_heading_appears_once():
+    """train-draft's options come from several settings classes; a heading two of them share (its
+    data group) was printed twice."""
+    import re
+
+    for command in ("train-draft", "generate", "serve", "bench"):
+        text = build_parser()._subparsers._group_actions[0].choices[command].format_help()
+        headings = re.findall(r"^(\S[^\n]*):$", text, re.M)
+        assert len(headings) == len(set(headings)), (command, headings)

@@ -77,6 +77,7 @@ def test_train_draft_end_to_end_and_resume(tiny_target, tmp_path):
     assert result["last_loss"] < result["first_loss"] - 0.5, result
     saved = json.loads((job.output / "specfork_draft.json").read_text())
     assert saved["train_steps"] == result["train_steps"] > 0
+    assert saved["kind"] == "draft" and saved["machine"]["device"] == "cpu"  # as the EAGLE-3 record has them
     assert set(saved["acceptance"]) == {"humaneval", "sharegpt"}
     responses = [e.response_ids for e in load_examples(job.work_dir / "data")]
     corpus = load_corpus(job.work_dir / "lookup_corpus.npz", 49152)
@@ -238,6 +239,16 @@ def test_a_checkpoint_resumes_only_on_its_data_and_settings_and_a_damaged_one_is
     (tmp_path / "last.pt").write_bytes((tmp_path / "last.pt").read_bytes()[:100])
     with pytest.raises(SpecforkError, match="last.pt cannot be read .* damaged"):
         trainer(examples).try_resume()
+
+
+def test_a_warm_up_longer_than_the_run_is_reported(caplog):
+    from specfork.training.data import Example
+    from specfork.training.trainer import DraftTrainer, TrainSettings
+
+    examples = [Example("test", f"e{i}", [1, 2, 3], [4, 5, i]) for i in range(8)]
+    DraftTrainer(torch.nn.Linear(4, 4), examples, TrainSettings(epochs=1.0, batch_tokens=64, max_seq_len=16),
+                 Path("unused"), pad_id=0, device=torch.device("cpu"))
+    assert "--warmup-steps 30 is not shorter than this run's 1 steps" in caplog.text
 
 
 def test_a_damaged_data_shard_is_named(tmp_path):

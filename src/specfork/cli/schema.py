@@ -30,8 +30,9 @@ def add_options(parser: argparse.ArgumentParser, cls: type, *, exclude: tuple[st
     for f in cli_fields(cls, exclude):
         meta = f.metadata
         heading = meta.get("group") or group
-        if heading not in groups:
-            groups[heading] = parser.add_argument_group(heading) if heading else parser
+        if heading not in groups:  # a heading an earlier call made is reused: one heading, one group in --help
+            existing = [g for g in parser._action_groups if g.title == heading] if heading else []
+            groups[heading] = existing[0] if existing else parser.add_argument_group(heading) if heading else parser
         default = defaults.get(f.name, _default(f))
         flag = flag_of(f)
         kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": _help(meta.get("help", ""), default)}

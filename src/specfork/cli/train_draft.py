@@ -40,7 +40,12 @@ def run(args: argparse.Namespace) -> int:
     )
     from specfork.training.pipeline import train_draft
 
-    result = train_draft(job, command=args.command_line)
+    try:
+        result = train_draft(job, command=args.command_line)
+    except KeyboardInterrupt:
+        print(f"\nstopped; the same command resumes from what is kept in {job.work_dir} (the last checkpoint, "
+              "every finished shard of answers and features)", file=sys.stderr)
+        raise
     print(json.dumps({k: result[k] for k in ("first_loss", "last_loss", "eval_top1_agreement", "eval", "acceptance")
                       if k in result}, indent=2))
     print(f"{'EAGLE-3 head' if job.kind == 'eagle3' else 'draft'} written to {job.output}", file=sys.stderr)

@@ -28,6 +28,7 @@ from specfork.training.eagle3_head import Batch, Eagle3TrainHead, TTTResult, ttt
 from specfork.training.settings import Eagle3Settings, TrainSettings
 from specfork.training.trainer import (
     adamw,
+    check_schedule,
     examples_digest,
     is_eval_example,
     make_batches,
@@ -105,6 +106,7 @@ class Eagle3Trainer:
                                 "share; generate more data (--num-prompts) or longer responses (--max-new-tokens)")
         self.steps_per_epoch = len(self._batches(self.train, settings.seed))
         self.total_steps = max(1, math.ceil(self.steps_per_epoch * settings.epochs))
+        check_schedule(self.total_steps, settings)
         self.optimizer = adamw(self.head, settings)
         trained_by = {k: str(v) if isinstance(v, Path) else v  # what decides the weights (plain data)
                       for k, v in asdict(eagle).items() if k != "feature_batch"}

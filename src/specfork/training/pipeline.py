@@ -140,6 +140,7 @@ def train_draft(job: TrainDraftJob, command: str = "") -> dict:
     first = history[: max(1, len(history) // 20)]
     last = history[-max(1, len(history) // 20) :]
     provenance = {
+        "kind": "draft",
         "target": job.target,
         "command": command,
         "data": asdict(job.data),
@@ -154,7 +155,8 @@ def train_draft(job: TrainDraftJob, command: str = "") -> dict:
         **metrics,
         "data_seconds_this_run": round(data_seconds, 1),
         "train_seconds_this_run": round(train_seconds, 1),
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
+        "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                    "device": job.device},
         "torch": torch.__version__,
     }
     save_draft(trainer.model.cpu(), tokenizer.hf if tokenizer is not None else None, job.output, provenance)

@@ -131,6 +131,14 @@ def batch_loss(model, input_ids, mask, labels) -> tuple[torch.Tensor, int, int]:
     return loss, int(target.numel()), correct
 
 
+def check_schedule(total_steps: int, settings: TrainSettings) -> None:
+    """Warn when the warm-up outlasts the run: the learning rate would never reach --lr."""
+    if settings.warmup_steps >= total_steps:
+        logger.warning("--warmup-steps %d is not shorter than this run's %d steps: the learning rate peaks at %.3g, "
+                       "not --lr %.3g; lower --warmup-steps for a run this short", settings.warmup_steps, total_steps,
+                       learning_rate(total_steps - 1, total_steps, settings), settings.lr)
+
+
 def learning_rate(step: int, total: int, settings: TrainSettings) -> float:
     if step < settings.warmup_steps:
         return settings.lr * (step + 1) / settings.warmup_steps
@@ -268,6 +276,7 @@ class DraftTrainer:
         per_epoch = len(make_batches(self.train, settings.max_seq_len, settings.batch_tokens, settings.seed))
         self.steps_per_epoch = per_epoch
         self.total_steps = max(1, math.ceil(per_epoch * settings.epochs))
+        check_schedule(self.total_steps, settings)
         self.optimizer = adamw(self.model, settings)
         self.data = {"examples": examples_digest(examples)}
         self.step = 0
