@@ -9,6 +9,7 @@ tokens, before and after the drafter rank is killed."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -190,9 +191,27 @@ def test_ranks_leave_with_the_engine(draft_pair):
     assert all(_gone(pid) for pid in pids)
 
 
-def test_a_rank_that_cannot_load_is_reported(tmp_path, draft_pair):
-    """A checkpoint whose heads cannot be split: the error names the cause, and the group is torn
-    down (this process can start another)."""
+def test_a_split_that_cannot_be_is_refused_before_any_rank_starts(monkeypatch, draft_pair):
+    """Checked from the config before launching (it was found by the ranks, ~25 s later for the
+    embedded model at --tensor-parallel-size 10)."""
+    from specfork.parallel.world import World
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(World, "start", no_launch)
+    with pytest.raises(ModelLoadError, match="cannot split 2 query / 1 KV heads over 3"):
+        LLM(draft_pair["target"], tensor_parallel_size=3)
+
+
+def test_a_rank_that_cannot_load_is_reported(monkeypatch, draft_pair):
+    """A rank whose load fails: the error names the cause, and the group is torn down (this
+    process can start another). The pre-launch check is told the heads split, so the ranks find
+    out themselves."""
+    import specfork.loading.loader as loader
+
+    arch = loader.read_arch(draft_pair["target"])
+    monkeypatch.setattr(loader, "read_arch", lambda model: dataclasses.replace(arch, num_heads=3, num_kv_heads=3))
     with pytest.raises(ModelLoadError, match="cannot split 2 query / 1 KV heads over 3"):
         LLM(draft_pair["target"], tensor_parallel_size=3)
     assert torch.distributed.is_initialized() is False

@@ -340,6 +340,11 @@ def _start_world(config: Config, num_blocks: int, extra_roles: tuple):
     from specfork.parallel.group import ShardLaunch
     from specfork.parallel.world import RankRole, World, WorldPlan
 
+    if config.tensor_parallel_size > 1:  # before any rank starts: a split that cannot be is a clear error at once
+        from specfork.loading.loader import read_arch
+        from specfork.models.tensor_parallel import TensorShard
+
+        TensorShard(0, config.tensor_parallel_size, reduce=None).heads(read_arch(config.model))
     threads = config.threads or max(1, len(os.sched_getaffinity(0)) // config.tensor_parallel_size)
     torch.set_num_threads(threads)
     launch = ShardLaunch(

@@ -82,6 +82,11 @@ def load_vocabulary(model: str) -> Vocabulary:
     return Vocabulary(arch, tokenizer)
 
 
+def read_arch(model: str) -> ModelArchConfig:
+    """The architecture of ``model`` (alias, HF dir or GGUF file) from its config alone."""
+    return _read(resolve_checkpoint(model), with_tokenizer=False, native=False)[1]
+
+
 def _read(location: CheckpointLocation, *, with_tokenizer: bool, native: bool):
     """(location, arch, tokenizer or None, a callable returning the tensors by name)."""
     if location.format is CheckpointFormat.GGUF:
