@@ -156,7 +156,8 @@ class Config:
                           choices=WEIGHTS, group=ENGINE)
     quantize: str | None = option(None, "quantise an HF checkpoint's projections to 4 bits at load, for the same "
                                   "kernel (default: off, float32)", choices=QUANTIZE, group=ENGINE)
-    quantize_group: int = option(DEFAULT_QUANTIZE_GROUP, "inputs per scale for --quantize", choices=QUANTIZE_GROUPS, group=ENGINE)
+    quantize_group: int = option(DEFAULT_QUANTIZE_GROUP, "inputs per scale for --quantize", choices=QUANTIZE_GROUPS,
+                                 group=ENGINE)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -346,7 +347,8 @@ class Config:
         from specfork.loading.resolve import DEFAULT_DRAFT, SHIPPED_DRAFTS
 
         preferred = {Path(names[0]).stem for names in SHIPPED_DRAFTS.values()}
-        return self.mode == "sd" and self.drafter == "draft" and (self.draft in (None, DEFAULT_DRAFT) or self.draft in preferred)
+        named = self.draft in (None, DEFAULT_DRAFT) or self.draft in preferred
+        return self.mode == "sd" and self.drafter == "draft" and named
 
     @property
     def head_confidence(self) -> float:
