@@ -572,3 +572,31 @@ def test_bench_cuda_graphs_script_runs_its_tables(tiny, monkeypatch, capsys):
     assert [line.split()[0] for line in lines[steps + 1 : steps + 4]] == ["1", "2", "3"]
     batches = lines.index("batch  eager tok/s  graphs tok/s  speedup  graphs vs batch 1")
     assert [line.split()[0] for line in lines[batches + 1 :]] == ["1", "2"]
+
+
+def test_a_batch_needs_its_prompts_and_a_dataset_the_prompts_asked_for(tiny):
+    """batch=8 rows ran 4 requests together (README's own sweep at the default 4 prompts), and
+    --num-prompts past a dataset's split was cut short silently."""
+    with pytest.raises(SpecforkError, match="batch_size 8 needs at least that many prompts"):
+        _settings(tiny, num_prompts=4, batch_size=8)
+    with pytest.raises(SpecforkError, match="batch_size 8 needs"):  # a sweep point is a settings object too
+        run_benchmark(_settings(tiny, num_prompts=4), parse_sweep("batch_size=1,8"), progress=False)
+    with pytest.raises(SpecforkError, match="--num-prompts 1000: the humaneval evaluation split has 164 prompts"):
+        run_benchmark(_settings(tiny, datasets=("humaneval",), num_prompts=1000, input_len=None), [{}], progress=False)
+    with pytest.raises(SpecforkError, match="threads must be in 1..1024, got -3"):  # a traceback from torch before
+        _settings(tiny, threads=-3)
+
+
+def test_bench_serve_does_not_count_a_wait_after_its_last_request(monkeypatch):
+    """The run's duration is the requests', not the Poisson gap drawn after the last one (which
+    halved the reported throughput of a 2-request run)."""
+    import asyncio
+
+    from specfork.bench import serve_bench
+
+    async def instant(client, model, body, t0):
+        return serve_bench.RequestResult(ok=True, start_s=0.0, output_tokens=1)
+
+    monkeypatch.setattr(serve_bench, "_one", instant)
+    _, duration = asyncio.run(serve_bench._run_rate(None, "m", [{}, {}], rate=2.0, seed=0))
+    assert 0.93 < duration < 1.2  # seed 0's gaps at rate 2: 0.930 s, then 0.709 s after the last request (not waited)

@@ -470,7 +470,7 @@ def test_ssd_server_matches_ar_and_sigterm_stops_it_and_its_drafter(tiny_checkpo
         assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
 
 
-def test_bench_serve_reports_each_rate(tiny_checkpoints, tmp_path):
+def test_bench_serve_reports_each_rate(tiny_checkpoints, tmp_path, capsys):
     from specfork.cli import main
 
     path = str(tiny_checkpoints["llama-gqa-tied"].path)
@@ -480,6 +480,13 @@ def test_bench_serve_reports_each_rate(tiny_checkpoints, tmp_path):
                        "--input-len", "8", "--output-len", "10", "--request-rate", "20,inf", "--label", label,
                        "--out", str(tmp_path), "--no-progress"])
             assert rc == 0
+        # every request refused: said why, exit 1, nothing merged into the directory's table (was exit 0)
+        refused = main(["bench-serve", "--base-url", s.url, "--dataset", "random", "--num-prompts", "2",
+                        "--input-len", "8", "--output-len", "100000", "--request-rate", "inf", "--label", "refused",
+                        "--out", str(tmp_path), "--no-progress"])
+    assert refused == 1 and not (tmp_path / "refused.json").exists()
+    err = capsys.readouterr().err
+    assert "2 of 2 requests failed at rate inf: BadRequestError" in err and "no request completed" in err
     run = json.loads((tmp_path / "first.json").read_text())
     assert [r["request_rate"] for r in run["rates"]] == [20.0, float("inf")]
     for r in run["rates"]:
@@ -488,7 +495,7 @@ def test_bench_serve_reports_each_rate(tiny_checkpoints, tmp_path):
         assert 0 < r["ttft_s"]["p50"] <= r["e2e_s"]["p50"] <= r["e2e_s"]["p99"]
         assert r["tpot_s"]["mean"] > 0
     table = (tmp_path / "serve_results.md").read_text()
-    assert "first" in table and "second" in table  # both runs in one table
+    assert "first" in table and "second" in table and "refused" not in table  # both runs in one table
     assert (tmp_path / "serve_latency.png").stat().st_size > 0
 
 

@@ -54,6 +54,18 @@ def parse_sweep(spec: str | None) -> list[dict]:
     return grid
 
 
+def check_prompt_counts(points: list[BenchSettings]) -> None:
+    """Every dataset holds the prompts asked of it (a dataset's split was cut short silently, and
+    the report said how many had been asked for)."""
+    from specfork.datasets import load_prompts
+
+    for s in points:
+        for dataset in s.datasets:
+            if dataset != "random" and len(load_prompts(dataset, "eval", s.num_prompts)) < s.num_prompts:
+                have = len(load_prompts(dataset, "eval"))
+                raise SpecforkError(f"--num-prompts {s.num_prompts}: the {dataset} evaluation split has {have} prompts")
+
+
 def load_prompt_ids(llm, dataset: str, settings: BenchSettings) -> list[list[int]]:
     from specfork.datasets import encode, load_prompts, random_token_prompts
 
@@ -242,11 +254,12 @@ def run_benchmark(settings: BenchSettings, sweep: list[dict], progress: bool = T
 
     from specfork import LLM
 
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
     # Each point's settings, validated before anything runs (a point's dataset is its only one).
     points = [(replace(settings, **{k: v for k, v in p.items() if k != "dataset"},
                        **({"datasets": (p["dataset"],)} if "dataset" in p else {})), p) for p in sweep]
+    check_prompt_counts([s for s, _ in points])
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
     bandwidth = {"before": read_bandwidth()} if settings.bandwidth else None
     cells = [(i, pt, d) for i, (pt, p) in enumerate(points)
              for d in ([p["dataset"]] if "dataset" in p else pt.datasets)]

@@ -121,9 +121,9 @@ async def _run_rate(client, model: str, bodies: list[dict], rate: float, seed: i
     rng = random.Random(seed)
     t0 = clock()
     tasks = []
-    for body in bodies:
+    for i, body in enumerate(bodies):
         tasks.append(asyncio.create_task(_one(client, model, body, t0)))
-        if math.isfinite(rate):
+        if math.isfinite(rate) and i + 1 < len(bodies):  # no wait after the last: it would count as run time
             await asyncio.sleep(rng.expovariate(rate))
     results = await asyncio.gather(*tasks)
     return list(results), clock() - t0
@@ -155,6 +155,8 @@ def run_serve_benchmark(settings: ServeBenchSettings, progress: bool = True) -> 
         models = sync.models.list().data
     except Exception as e:
         raise SpecforkError(f"no OpenAI-compatible server answers at {settings.base_url} ({type(e).__name__}: {e})") from None
+    if not models:
+        raise SpecforkError(f"the server at {settings.base_url} lists no models (GET /v1/models)")
     model = models[0].id
     vocab_size = (models[0].model_extra or {}).get("vocab_size", 32000)
     bodies = _requests(settings, vocab_size)

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specfork.config import DEFAULT_CORPUS_TOKENS, DEFAULT_MODEL, SSD_BACKUPS, SSD_DEFAULT_K, WEIGHTS
+from specfork.config import (
+    DEFAULT_CORPUS_TOKENS,
+    DEFAULT_MODEL,
+    MAX_THREADS,
+    SSD_BACKUPS,
+    SSD_DEFAULT_K,
+    WEIGHTS,
+)
 from specfork.errors import SpecforkError
 from specfork.options import comma_list, int_or_auto, on_off, option
 
@@ -115,6 +122,11 @@ class BenchSettings:
             raise SpecforkError(f"top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
         if self.warmup < 0:
             raise SpecforkError(f"warmup must be >= 0, got {self.warmup}")
+        if self.batch_size > self.num_prompts:
+            raise SpecforkError(f"batch_size {self.batch_size} needs at least that many prompts to run together; "
+                                f"--num-prompts is {self.num_prompts} (give --num-prompts {self.batch_size} or more)")
+        if self.threads is not None and not 1 <= self.threads <= MAX_THREADS:
+            raise SpecforkError(f"threads must be in 1..{MAX_THREADS}, got {self.threads}")
         if self.input_len is not None and self.input_len < 1:
             raise SpecforkError(f"input_len must be >= 1, got {self.input_len}")
         if "random" in self.datasets and self.input_len is None:

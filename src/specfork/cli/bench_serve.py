@@ -34,6 +34,13 @@ def run(args: argparse.Namespace) -> int:
     check_output_directory(args.out, "--out")
     result = run_serve_benchmark(settings, progress=args.progress)
     print(table([result]))
+    for row in result["rates"]:
+        if row["failed"]:
+            print(f"{row['failed']} of {row['failed'] + row['completed']} requests failed at rate {row['request_rate']}: "
+                  f"{'; '.join(row['errors'])}", file=sys.stderr)
+    if not any(row["completed"] for row in result["rates"]):
+        print(f"error: no request completed; nothing written to {args.out}", file=sys.stderr)
+        return 1
     paths = write_results(result, args.out)
     print(f"wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
     return 0
