@@ -59,11 +59,16 @@ def check_prompt_counts(points: list[BenchSettings]) -> None:
     the report said how many had been asked for)."""
     from specfork.datasets import load_prompts
 
+    available: dict[str, int] = {}  # each split counted once, however many points ask for it
     for s in points:
         for dataset in s.datasets:
-            if dataset != "random" and len(load_prompts(dataset, "eval", s.num_prompts)) < s.num_prompts:
-                have = len(load_prompts(dataset, "eval"))
-                raise SpecforkError(f"--num-prompts {s.num_prompts}: the {dataset} evaluation split has {have} prompts")
+            if dataset == "random":
+                continue
+            if dataset not in available:
+                available[dataset] = len(load_prompts(dataset, "eval"))
+            if available[dataset] < s.num_prompts:
+                raise SpecforkError(f"--num-prompts {s.num_prompts}: the {dataset} evaluation split has "
+                                    f"{available[dataset]} prompts")
 
 
 def load_prompt_ids(llm, dataset: str, settings: BenchSettings) -> list[list[int]]:

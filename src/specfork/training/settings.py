@@ -10,6 +10,7 @@ from pathlib import Path
 from specfork.config import DEFAULT_MODEL, MAX_THREADS
 from specfork.errors import SpecforkError
 from specfork.options import flag_of, int_or_auto, only_for, option
+from specfork.output_paths import check_output_directory
 
 DATA, ARCH, TRAIN, EVAL = 'data (target responses)', 'draft architecture', 'training', 'final evaluation'
 EAGLE3 = 'EAGLE-3 head (--kind eagle3)'
@@ -179,7 +180,7 @@ class TrainDraftJob:
         if self.output is None:
             raise SpecforkError("train-draft needs an output directory (--output)")
         object.__setattr__(self, "output", Path(self.output))
-        if not self.output.resolve().name or not self.output.name or self.output.name in (".", ".."):
+        if self.output.name in ("", "..") or not self.output.resolve().name:  # ".", "/", "a/..", a link to /
             raise SpecforkError(f"--output {str(self.output)!r}: give the directory a name of its own (saving "
                                 "replaces it as a whole)")
         if self.work_dir is None:
@@ -206,8 +207,6 @@ def check_replaceable_output(output: Path) -> None:
     """Refuse, before any work, an output that saving would destroy or cannot create: a file, a
     directory that cannot be created, or one holding anything but an earlier train-draft result
     (saving replaces the directory, so a file of the user's in it would be lost)."""
-    from specfork.output_paths import check_output_directory
-
     check_output_directory(output, "--output")
     if not output.is_dir() or not any(output.iterdir()):
         return
@@ -224,8 +223,6 @@ def check_replaceable_output(output: Path) -> None:
 
 def check_work_dir(work_dir: Path, output: Path) -> None:
     """The work dir must survive the save (which replaces ``output`` as a whole) and be creatable."""
-    from specfork.output_paths import check_output_directory
-
     work, out = work_dir.resolve(), output.resolve()
     if work == out or out in work.parents:
         raise SpecforkError(f"--work-dir {work_dir} is inside --output {output}, which saving replaces as a whole "
