@@ -23,7 +23,7 @@ from specfork.bench.report import (
     write_all,
 )
 from specfork.bench.runner import parse_sweep, run_benchmark
-from specfork.bench.settings import BenchSettings, dataset_list
+from specfork.bench.settings import MODE_OPTIONS, PEER_OPTIONS, BenchSettings, dataset_list
 from specfork.cli import main
 from specfork.errors import SpecforkError
 
@@ -41,6 +41,10 @@ def tiny(tmp_path_factory):
 def _settings(tiny, **kw):
     base = dict(model=tiny, draft=tiny, modes=("ar", "sd", "ngram", "ssd"), datasets=("random",), num_prompts=2,
                 input_len=12, output_len=10, k=3, warmup=1, repeat=2, threads=2)
+    modes = set(kw.get("modes", base["modes"])) | set(kw.get("peers", ()))
+    for name in ("draft", "k"):  # the speculative settings, where a run reads them (bench refuses them otherwise)
+        if not set(MODE_OPTIONS[name] + PEER_OPTIONS.get(name, ())) & modes:
+            del base[name]
     return BenchSettings(**{**base, **kw})
 
 
@@ -165,7 +169,7 @@ def test_no_ignore_eos_stops_specfork_at_the_eos(tiny, tmp_path):
         assert rows[f"specfork {mode}"]["tokens"] == rows["specfork ar"]["tokens"]
         assert rows[f"specfork {mode}"]["match_ar"] == 1.0
     assert "up to 10 output tokens (each request stops at its EOS)" in markdown(report, "specfork bench")
-    assert "10 output tokens (EOS ignored)" in markdown(run_benchmark(replace(settings, modes=("ar",)), [{}],
+    assert "10 output tokens (EOS ignored)" in markdown(run_benchmark(replace(settings, modes=("ar",), draft="default", k=None), [{}],
                                                                       progress=False), "specfork bench")
 
 
@@ -319,11 +323,29 @@ def test_bench_samples_with_top_p_and_top_k_in_every_engine_and_states_them(tiny
 
 
 def test_greedy_points_that_differ_only_in_filters_share_one_peer_run(tiny):
-    """top-p and top-k change nothing greedy: a greedy sweep over them runs each peer once."""
-    report = run_benchmark(_settings(tiny, modes=("ar",), num_prompts=1, peers=("transformers",)),
-                           parse_sweep("top_p=0.5,1.0"), progress=False)
+    """top-p and top-k change nothing greedy: the greedy points of a sweep over them run each peer
+    once (the sampled points once per value)."""
+    report = run_benchmark(_settings(tiny, modes=("ar",), num_prompts=1, peers=("transformers",), repeat=1, warmup=0),
+                           parse_sweep("temperature=0,0.5;top_p=0.5,1.0"), progress=False)
     peer_rows = [r for r in report["results"] if r["name"] == "transformers AR"]
-    assert len(peer_rows) == 1
+    assert sorted(r["settings"].get("temperature", 0.0) for r in peer_rows) == [0.0, 0.5, 0.5]
+
+
+def test_bench_refuses_settings_that_no_run_reads(tiny):
+    """Options and sweep axes that none of --modes reads, and sampling filters where every run is
+    greedy, are refused before anything loads (they ran the same runs once per value)."""
+    with pytest.raises(SpecforkError, match="only the sd, ssd, ngram modes read k"):
+        _settings(tiny, modes=("ar",), k=3)
+    with pytest.raises(SpecforkError, match="only the ssd mode reads fan_out"):
+        _settings(tiny, modes=("ar", "sd"), fan_out=2)
+    assert _settings(tiny, modes=("ar", "ssd"), fan_out=2).fan_out == 2
+    with pytest.raises(SpecforkError, match="only the sd, ssd modes and the transformers peer read draft"):
+        BenchSettings(model=tiny, draft=tiny, modes=("ar",), peers=("llama.cpp",))
+    assert BenchSettings(model=tiny, draft=tiny, modes=("ar",), peers=("transformers",)).draft == tiny
+    with pytest.raises(SpecforkError, match="--sweep draft_confidence: only the sd mode"):
+        run_benchmark(_settings(tiny, modes=("ar", "ngram")), parse_sweep("draft_confidence=0.2,0.3"), progress=False)
+    with pytest.raises(SpecforkError, match="top_p filters sampling at temperature > 0"):
+        run_benchmark(_settings(tiny, modes=("ar",)), parse_sweep("top_p=0.5,1.0"), progress=False)
 
 
 def test_bench_sweeps_lookup_first(tiny, tmp_path, capsys):

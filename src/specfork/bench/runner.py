@@ -71,6 +71,16 @@ def check_prompt_counts(points: list[BenchSettings]) -> None:
                                     f"{available[dataset]} prompts")
 
 
+def check_sampling_filters(points: list[BenchSettings]) -> None:
+    """top-p and top-k filter sampled runs only: given where every point is greedy, they would be
+    ignored (a sweep of top_p at temperature 0 ran the same greedy runs once per value)."""
+    if all(s.temperature == 0 for s in points):
+        for name, off in (("top_p", 1.0), ("top_k", 0)):
+            if any(getattr(s, name) != off for s in points):
+                raise SpecforkError(f"{name} filters sampling at temperature > 0, and every run here is greedy "
+                                    "(temperature 0): give --temperature, or leave " + name + " out")
+
+
 def load_prompt_ids(llm, dataset: str, settings: BenchSettings) -> list[list[int]]:
     from specfork.datasets import encode, load_prompts, random_token_prompts
 
@@ -259,10 +269,13 @@ def run_benchmark(settings: BenchSettings, sweep: list[dict], progress: bool = T
 
     from specfork import LLM
 
+    for name in dict.fromkeys(name for point in sweep for name in point):
+        settings.check_read(name, f"--sweep {name}")
     # Each point's settings, validated before anything runs (a point's dataset is its only one).
     points = [(replace(settings, **{k: v for k, v in p.items() if k != "dataset"},
                        **({"datasets": (p["dataset"],)} if "dataset" in p else {})), p) for p in sweep]
     check_prompt_counts([s for s, _ in points])
+    check_sampling_filters([s for s, _ in points])
     if settings.threads:
         torch.set_num_threads(settings.threads)
     bandwidth = {"before": read_bandwidth()} if settings.bandwidth else None

@@ -23,6 +23,13 @@ SSD_DRAFTERS = ("process", "rank")
 SWEEPABLE = {"k": int_or_auto, "draft_confidence": float, "lookup_first": int, "lookup_corpus": str, "corpus_tokens": int, "fan_out": int, "temperature": float, "top_p": float, "top_k": int, "input_len": int,
              "batch_size": int, "dataset": str, "tensor_parallel_size": int, "ssd_drafter": str, "weights": str,
              "cuda_graphs": on_off}
+# The settings that only some modes read: a value given for none of --modes would be ignored
+# (a sweep of k over AR alone ran the same AR once per point).
+MODE_OPTIONS = {"draft": ("sd", "ssd"), "k": ("sd", "ssd", "ngram"), "draft_confidence": ("sd",),
+                "lookup_first": ("sd",), "lookup_corpus": ("sd", "ngram"), "corpus_tokens": ("sd", "ngram"),
+                "fan_out": ("ssd",), "backup": ("ssd",), "ssd_drafter": ("ssd",), "target_cores": ("ssd",),
+                "draft_cores": ("ssd",)}
+PEER_OPTIONS = {"draft": ("transformers",)}  # its assisted generation drafts with the same draft
 
 
 def dataset_list(text: str) -> tuple[str, ...]:
@@ -98,6 +105,7 @@ class BenchSettings:
             raise SpecforkError("--modes needs at least one mode")
         if not self.datasets:
             raise SpecforkError(f"--datasets needs at least one of {', '.join(DATASETS)}")
+        self._refuse_options_of_other_modes()
         if self.k == "auto":
             if "ssd" in self.modes:
                 raise SpecforkError("k auto is for the sd and ngram modes (SSD's k also shapes the drafter's tree): "
@@ -132,3 +140,21 @@ class BenchSettings:
         if "random" in self.datasets and self.input_len is None:
             raise SpecforkError("the random dataset needs --input-len" + (" (--datasets all includes it)"
                                                                           if set(self.datasets) == set(DATASETS) else ""))
+
+    def _refuse_options_of_other_modes(self) -> None:
+        defaults = BenchSettings.__dataclass_fields__
+        for name in MODE_OPTIONS:
+            if getattr(self, name) != defaults[name].default:
+                self.check_read(name, f"{name} {getattr(self, name)!r}")
+
+    def check_read(self, name: str, what: str) -> None:
+        """``what`` (an option's value, or a sweep axis) is refused where none of --modes (and no
+        peer) reads ``name``."""
+        modes, peers = MODE_OPTIONS.get(name, ()), PEER_OPTIONS.get(name, ())
+        if not modes or set(modes) & set(self.modes) or set(peers) & set(self.peers):
+            return
+        readers = f"the {', '.join(modes)} mode{'s' if len(modes) > 1 else ''}" + (
+            f" and the {', '.join(peers)} peer" if peers else "")
+        raise SpecforkError(f"{what}: only {readers} read{'' if len(modes) > 1 or peers else 's'} {name}, and --modes "
+                            f"runs {', '.join(self.modes)}: add {'one of them' if len(modes) > 1 else modes[0]} to "
+                            f"--modes, or leave {name} out")
