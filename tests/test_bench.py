@@ -416,13 +416,63 @@ def test_bench_cli_bandwidth_adds_weight_bandwidth_columns(tiny, tmp_path, capsy
     assert report["machine"]["bandwidth"]["before"]["read_GBps"] == 10.0
     rows = {r["mode"]: r for r in report["results"]}
     assert rows["ar"]["weight_GBps"] > 0 and rows["sd"]["weight_GBps"] is None  # AR runs only
-    machine, header = capsys.readouterr().out.splitlines()[:2]
+    printed = capsys.readouterr().out
+    machine, header = printed.splitlines()[:2]
     assert f"native kernels: {report['machine']['kernels']}" in machine and machine.startswith("machine: ")
+    words = " ".join(printed.split())  # the legend under the table, wrapped
+    assert "accept len: tokens per target forward" in words and "Read bandwidth of this machine: 20.0 GB/s" in words
     assert header.split()[-2:] == ["wGB/s", "%bw"]
     cells = {row[0].split()[1]: row[len(COLUMNS):] for row in table_rows(report)}
     assert cells["ar"] == [f"{rows['ar']['weight_GBps']:.1f}", f"{rows['ar']['weight_GBps'] / 20.0:.0%}"]
     assert cells["sd"] == ["-", "-"]
     assert "Read bandwidth of this machine: 20.0 GB/s" in (out / "results.md").read_text()
+
+
+def test_bandwidth_is_given_at_batch_1_only(tiny, monkeypatch):
+    """In a batch a request's TPOT also holds the other requests' prefills: no weight bandwidth there."""
+    from specfork.bench import runner
+
+    monkeypatch.setattr(runner, "read_bandwidth", lambda: {"read_GBps": 10.0, "copy_GBps": 9.0})
+    report = run_benchmark(_settings(tiny, modes=("ar",), repeat=1, warmup=0, bandwidth=True),
+                           parse_sweep("batch_size=1,2"), progress=False)
+    by_batch = {r["settings"]["batch_size"]: r["weight_GBps"] for r in report["results"]}
+    assert by_batch[1] > 0 and by_batch[2] is None
+
+
+def test_runs_that_share_a_label_across_sweep_points_are_named_apart(tiny, tmp_path):
+    """AR beside each k of a k sweep: one row and one bar per point, named by the point."""
+    report = run_benchmark(_settings(tiny, modes=("ar", "sd"), repeat=1, warmup=0), parse_sweep("k=2,3"), progress=False)
+    names = [row[0] for row in table_rows(report)]
+    assert names == ["specfork ar input_len=12 @ k=2", "specfork sd k=2 input_len=12",
+                     "specfork ar input_len=12 @ k=3", "specfork sd k=3 input_len=12"]
+    runs, values = chart_series(table_rows(report), COLUMNS.index("tok/s"))
+    assert runs == names and all(values[(name, "random")] > 0 for name in names)
+
+
+def test_the_progress_bar_counts_the_peers_requests(tiny, monkeypatch):
+    import tqdm
+
+    bars = []
+
+    class Bar:
+        def __init__(self, total, **_):
+            self.total, self.n = total, 0
+            bars.append(self)
+
+        def update(self, n):
+            self.n += n
+
+        def refresh(self):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(tqdm, "tqdm", Bar)
+    run_benchmark(_settings(tiny, modes=("ar",), num_prompts=1, repeat=2, warmup=0, peers=("transformers",)),
+                  [{}], progress=True)
+    (bar,) = bars
+    assert bar.n == bar.total == 2 * (1 + 3)  # two passes over one prompt: specfork AR and three transformers runs
 
 
 def test_no_bandwidth_columns_by_default(tiny):

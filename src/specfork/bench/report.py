@@ -38,6 +38,22 @@ def _label(r: dict) -> str:
     return " ".join([r["name"], *words])
 
 
+def run_names(rows: list[dict], sweep: list[dict]) -> list[str]:
+    """Each row's name in tables and plots: its label, and where the same label has rows at several
+    sweep points of one dataset (AR beside each k of a k sweep), the point's overrides after "@"."""
+    points = defaultdict(set)
+    for r in rows:
+        points[(_label(r), r["dataset"])].add(r.get("point", 0))
+    names = []
+    for r in rows:
+        name, point = _label(r), r.get("point", 0)
+        if len(points[(name, r["dataset"])]) > 1:
+            overrides = {k: v for k, v in (sweep[point] if point < len(sweep) else {}).items() if k != "dataset"}
+            name += " @ " + (" ".join(f"{k}={v}" for k, v in overrides.items()) or f"point {point + 1}")
+        names.append(name)
+    return names
+
+
 def with_means(report: dict) -> list[dict]:
     """The result rows plus, when several datasets ran, an ``all`` row per run: the mean over
     datasets (as the SSD blog averages its prompt sets)."""
@@ -67,6 +83,11 @@ def peer_baselines(report: dict) -> list[str]:
     return list(dict.fromkeys(r["name"] for r in report["results"] if r["name"] in ("transformers AR", "llama.cpp AR")))
 
 
+LEGEND = ("vs AR: tok/s over specfork AR's of the same sweep point and dataset; accept len: tokens per target "
+          "forward; hit rate: SSD rounds served from its cache; hidden: share of SSD's drafting hidden behind "
+          "verification; draft/target: one draft step over one target decode step; \"= AR\": share of requests "
+          "whose tokens equal specfork AR's (greedy runs); p50/p99 s: a request's end-to-end seconds; an \"all\" "
+          "row is the mean over the datasets.")
 BANDWIDTH_COLUMNS = ("wGB/s", "%bw")  # with --bandwidth: weight bandwidth reached, share of the read bandwidth
 
 
@@ -125,12 +146,12 @@ def table_rows(report: dict) -> list[list[str]]:
     # "vs AR" compares with specfork AR of the same sweep point and dataset (peers: of their point).
     ar = {(r["dataset"], r.get("point", 0)): r["tok_per_s"] for r in rows if r["mode"] == "ar" and r["name"] == "specfork ar"}
     out = []
-    for r in rows:
+    for r, name in zip(rows, run_names(rows, report.get("sweep") or [{}]), strict=True):
         base = ar.get((r["dataset"], r.get("point", 0)))
         if base is None:
             base = next((v for (d, _), v in ar.items() if d == r["dataset"]), None)
         out.append([
-            _label(r),
+            name,
             r["dataset"],
             f"{r['tok_per_s']:.2f}",
             f"{r['tok_per_s_min']:.1f}-{r['tok_per_s_max']:.1f}",
@@ -182,8 +203,7 @@ def markdown(report: dict, command: str) -> str:
         "",
         f"{s['num_prompts']} prompts per dataset, {_output_tokens(s)}, temperature "
         f"{s['temperature']}{_filters(s)}, batch size {s['batch_size']}, median of {s['repeat']} run(s) after {s['warmup']} "
-        "warm-up run(s). \"= AR\": share of requests whose tokens equal specfork AR's (greedy runs). hidden: share "
-        "of SSD's drafting hidden behind verification; draft/target: one draft step over one target decode step.",
+        "warm-up run(s). " + LEGEND,
         *_bandwidth_note(report),
         "",
         "| " + " | ".join(columns(report)) + " |",
@@ -250,12 +270,17 @@ def _output_tokens(s: dict) -> str:
     return f"up to {s['output_len']} output tokens (each request stops at its EOS)"
 
 
+def legend(report: dict) -> str:
+    """What the printed table's columns mean (results.md states the same in its header)."""
+    return " ".join([LEGEND, *_bandwidth_note(report)[1:]])
+
+
 def _bandwidth_note(report: dict) -> list[str]:
     read = _read_bandwidth(report)
     if not read:
         return []
     return ["", f"Read bandwidth of this machine: {read:.1f} GB/s (the higher of before and after the runs). "
-            "wGB/s: weight bytes read per decode step x decode steps/s (from TPOT; specfork AR runs); "
+            "wGB/s: weight bytes read per decode step x decode steps/s (from TPOT; specfork AR runs at batch 1); "
             "%bw: its share of the read bandwidth."]
 
 

@@ -161,7 +161,9 @@ def _result(mode: str, dataset: str, s: BenchSettings, llm, speeds: list[float],
     from specfork.outputs import aggregate_metrics
 
     sums = _sums(llm.engine.parallel, sum(len(o.token_ids) for o in outputs), speeds)
-    step_bytes = weight_bytes(llm.engine.loaded.model)["weights"] if s.bandwidth and mode == "ar" else None
+    # At batch 1 only: in a batch, a request's TPOT also holds the other requests' prefills.
+    reads_weights = s.bandwidth and mode == "ar" and s.batch_size == 1
+    step_bytes = weight_bytes(llm.engine.loaded.model)["weights"] if reads_weights else None
     agg = aggregate_metrics(outputs)
     result = RunResult(
         name=f"specfork {mode}",
@@ -188,8 +190,8 @@ def _result(mode: str, dataset: str, s: BenchSettings, llm, speeds: list[float],
 
 
 def _counting(bar, shown: tuple[str, ...]) -> Progress:
-    """Progress on ``bar`` for the requests of the reported modes only (AR may run unreported, as
-    the reference of greedy runs)."""
+    """Progress on ``bar`` for the requests of the reported modes and the peers (AR may run
+    unreported, as the reference of greedy runs)."""
     def count(mode: str, requests: int) -> None:
         if mode in shown:
             bar.update(requests)
@@ -305,13 +307,17 @@ def run_benchmark(settings: BenchSettings, sweep: list[dict], progress: bool = T
             if key not in peers_done:
                 peers_done.add(key)
                 peers += peer_runs(peer, prompts, point, lambda text: _note(notes, text))
+        if peers:  # known only now (a peer runs once per workload, and only where it is installed)
+            bar.total += len(prompts) * point.repeat * len(peers)
+            bar.refresh()
         together, alone = interleaved_groups(order, point)
         cell: dict[str, RunResult] = {}
         peer_cells: list[tuple[RunResult, list]] = []
         for group, group_peers in [(together, peers), *((g, []) for g in alone)]:
             if not group and not group_peers:
                 continue
-            timed_cells, timed_peers = run_interleaved(group, dataset, prompts, point, _counting(bar, point.modes),
+            shown = (*point.modes, *(run.name for run in group_peers))
+            timed_cells, timed_peers = run_interleaved(group, dataset, prompts, point, _counting(bar, shown),
                                                        group_peers)
             peer_cells += timed_peers
             for mode, (result, tokens) in zip(group, timed_cells, strict=True):

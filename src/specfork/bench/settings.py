@@ -93,7 +93,7 @@ class BenchSettings:
     draft_cores: str | None = option(None, "SSD: the drafter's CPU cores (default: the other half)")
     bandwidth: bool = option(False, (
         "measure this machine's streaming read bandwidth before and after the runs (best of 5 sums over "
-        "1 GiB) and give each specfork AR run the weight bandwidth it reaches (weight bytes per decode "
+        "1 GiB) and give each specfork AR run at batch 1 the weight bandwidth it reaches (weight bytes per decode "
         "step x decode steps/s from the requests' TPOT) and its share of the read bandwidth"))
 
     def __post_init__(self) -> None:

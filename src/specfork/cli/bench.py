@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from pathlib import Path
 
 from specfork.bench.settings import SWEEPABLE, BenchSettings
@@ -30,7 +31,7 @@ def add_arguments(p) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specfork.bench.report import format_table, sum_lines, write_all
+    from specfork.bench.report import format_table, legend, sum_lines, write_all
     from specfork.bench.runner import parse_sweep, run_benchmark
 
     settings = BenchSettings(**schema.values(args, BenchSettings))
@@ -40,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
     gpu = f"; GPU: {m['cuda']}" if m.get("cuda") else ""
     print(f"machine: {m['cpu']}, {m['cores']} cores; native kernels: {m['kernels']}{gpu}; commit {m['commit']}")
     print(format_table(report))
+    print(textwrap.fill(legend(report), width=120))
     for line in sum_lines(report):
         print(f"tensor parallel: {line}")
     for note in report["notes"]:
