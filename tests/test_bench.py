@@ -344,6 +344,8 @@ def test_bench_refuses_settings_that_no_run_reads(tiny):
     assert BenchSettings(model=tiny, draft=tiny, modes=("ar",), peers=("transformers",)).draft == tiny
     with pytest.raises(SpecforkError, match="--sweep draft_confidence: only the sd mode"):
         run_benchmark(_settings(tiny, modes=("ar", "ngram")), parse_sweep("draft_confidence=0.2,0.3"), progress=False)
+    with pytest.raises(SpecforkError, match="--sweep k would replace --k 3"):
+        run_benchmark(_settings(tiny, modes=("ar", "sd"), k=3), parse_sweep("k=2,4"), progress=False)
     with pytest.raises(SpecforkError, match="top_p filters sampling at temperature > 0"):
         run_benchmark(_settings(tiny, modes=("ar",)), parse_sweep("top_p=0.5,1.0"), progress=False)
 
@@ -441,7 +443,8 @@ def test_bandwidth_is_given_at_batch_1_only(tiny, monkeypatch):
 
 def test_runs_that_share_a_label_across_sweep_points_are_named_apart(tiny, tmp_path):
     """AR beside each k of a k sweep: one row and one bar per point, named by the point."""
-    report = run_benchmark(_settings(tiny, modes=("ar", "sd"), repeat=1, warmup=0), parse_sweep("k=2,3"), progress=False)
+    report = run_benchmark(_settings(tiny, modes=("ar", "sd"), k=None, repeat=1, warmup=0), parse_sweep("k=2,3"),
+                           progress=False)
     names = [row[0] for row in table_rows(report)]
     assert names == ["specfork ar input_len=12 @ k=2", "specfork sd k=2 input_len=12",
                      "specfork ar input_len=12 @ k=3", "specfork sd k=3 input_len=12"]

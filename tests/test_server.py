@@ -504,3 +504,15 @@ def test_bench_serve_without_a_server_is_a_clear_error(capsys):
 
     assert main(["bench-serve", "--base-url", "http://127.0.0.1:9", "--no-progress"]) == 2
     assert "no OpenAI-compatible server answers" in capsys.readouterr().err
+
+
+def test_bench_serve_refuses_an_input_len_its_dataset_would_ignore(capsys):
+    """ShareGPT's prompts keep their lengths: --input-len there was silently ignored."""
+    from specfork.bench.serve_bench import DEFAULT_RANDOM_INPUT_LEN, ServeBenchSettings, _requests
+    from specfork.cli import main
+
+    assert main(["bench-serve", "--input-len", "512", "--no-progress"]) == 2
+    assert "--input-len sets the length of --dataset random's prompts" in capsys.readouterr().err
+    random_prompts = _requests(ServeBenchSettings(dataset="random", num_prompts=2), vocab_size=100)
+    assert [len(body["prompt"]) for body in random_prompts] == [DEFAULT_RANDOM_INPUT_LEN] * 2
+    assert len(_requests(ServeBenchSettings(dataset="random", input_len=7, num_prompts=1), 100)[0]["prompt"]) == 7

@@ -20,6 +20,7 @@ from specfork.errors import SpecforkError
 from specfork.options import option
 
 SERVE_DATASETS = ("sharegpt", "random")
+DEFAULT_RANDOM_INPUT_LEN = 128
 
 
 def parse_rates(text: str) -> tuple[float, ...]:
@@ -38,7 +39,8 @@ class ServeBenchSettings:
     dataset: str = option("sharegpt", "sharegpt: held-out ShareGPT chats; random: random token ids of --input-len",
                           choices=SERVE_DATASETS)
     num_prompts: int = option(32, "requests per rate")
-    input_len: int = option(128, "prompt tokens for --dataset random")
+    input_len: int | None = option(None, f"prompt tokens for --dataset random (default {DEFAULT_RANDOM_INPUT_LEN}); "
+                                   "ShareGPT's prompts keep their own lengths")
     output_len: int = option(128, "generated tokens per request (EOS ignored)")
     seed: int = option(0, "arrival-time and random-prompt seed")
     timeout_s: float = option(600.0, "seconds one request may take", flag="--request-timeout")
@@ -48,8 +50,11 @@ class ServeBenchSettings:
             raise SpecforkError(f"unknown dataset {self.dataset!r}; choose from {', '.join(SERVE_DATASETS)}")
         if not self.request_rates or any(not (r > 0) for r in self.request_rates):
             raise SpecforkError(f"request rates must be > 0 (inf: all at once), got {self.request_rates}")
+        if self.input_len is not None and self.dataset != "random":
+            raise SpecforkError(f"--input-len sets the length of --dataset random's prompts; {self.dataset}'s prompts "
+                                "keep their own lengths: leave --input-len out, or use --dataset random")
         for name in ("num_prompts", "input_len", "output_len"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise SpecforkError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.timeout_s > 0:
             raise SpecforkError(f"request timeout must be > 0 seconds, got {self.timeout_s}")
@@ -78,7 +83,8 @@ def _requests(settings: ServeBenchSettings, vocab_size: int) -> list[dict]:
               "stream_options": {"include_usage": True}}
     if settings.dataset == "random":
         rng = random.Random(settings.seed)
-        return [{"prompt": [rng.randrange(vocab_size) for _ in range(settings.input_len)], **common}
+        return [{"prompt": [rng.randrange(vocab_size) for _ in range(settings.input_len or DEFAULT_RANDOM_INPUT_LEN)],
+                 **common}
                 for _ in range(settings.num_prompts)]
     from specfork.datasets import load_prompts
 
