@@ -363,6 +363,20 @@ def test_an_output_that_saving_would_destroy_is_refused_before_any_work(tmp_path
         TrainDraftJob(output=Path("/proc/specfork-draft"), work_dir=tmp_path / "w")
 
 
+def test_saving_without_progress_shows_no_transformers_bar(tmp_path, capsys):
+    """--no-progress: transformers' "Writing model shards" bar stays off too, and on afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    from specfork.training.trainer import save_draft
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    save_draft(model, None, tmp_path / "quiet", {}, progress=False)
+    assert "Writing model shards" not in capsys.readouterr().err and hf_logging.is_progress_bar_enabled()
+    save_draft(model, None, tmp_path / "shown", {})
+    assert "Writing model shards" in capsys.readouterr().err
+
+
 def test_saving_replaces_the_output_and_touches_no_other_directory(tmp_path):
     from specfork.training.trainer import publish_directory
 

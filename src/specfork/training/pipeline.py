@@ -159,7 +159,8 @@ def train_draft(job: TrainDraftJob, command: str = "") -> dict:
                     "device": job.device},
         "torch": torch.__version__,
     }
-    save_draft(trainer.model.cpu(), tokenizer.hf if tokenizer is not None else None, job.output, provenance)
+    save_draft(trainer.model.cpu(), tokenizer.hf if tokenizer is not None else None, job.output, provenance,
+               progress=job.progress)
     provenance["acceptance"] = acceptance_check(job)
     provenance["total_seconds_this_run"] = round(time.time() - started, 1)
     save_draft_provenance(job.output, provenance)

@@ -348,11 +348,21 @@ def record_step(history: list[dict], bar, record: dict) -> None:
     bar.set_postfix(loss=f"{record['loss']:.3f}", top1=f"{record['top1']:.2f}", lr=f"{record['lr']:.1e}")
 
 
-def save_draft(model, tokenizer, output: Path, provenance: dict) -> None:
+def save_draft(model, tokenizer, output: Path, provenance: dict, progress: bool = True) -> None:
     """Write ``output`` as an HF checkpoint directory: config, safetensors, tokenizer, and
-    ``specfork_draft.json`` saying how it was made."""
+    ``specfork_draft.json`` saying how it was made. Without ``progress``, transformers' own bar
+    ("Writing model shards") stays off too."""
+    from transformers.utils import logging as hf_logging
+
     def write(tmp: Path) -> None:
-        model.save_pretrained(tmp, safe_serialization=True)
+        shown = hf_logging.is_progress_bar_enabled()
+        if shown and not progress:
+            hf_logging.disable_progress_bar()
+        try:
+            model.save_pretrained(tmp, safe_serialization=True)
+        finally:
+            if shown and not progress:
+                hf_logging.enable_progress_bar()
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         (tmp / "specfork_draft.json").write_text(json.dumps(provenance, indent=2, sort_keys=True, default=str))
