@@ -474,8 +474,10 @@ def test_the_progress_bar_counts_the_peers_requests(tiny, monkeypatch):
     monkeypatch.setattr(tqdm, "tqdm", Bar)
     run_benchmark(_settings(tiny, modes=("ar",), num_prompts=1, repeat=2, warmup=0, peers=("transformers",)),
                   [{}], progress=True)
-    (bar,) = bars
-    assert bar.n == bar.total == 2 * (1 + 3)  # two passes over one prompt: specfork AR and three transformers runs
+    run_benchmark(_settings(tiny, modes=("ngram",), num_prompts=1, repeat=1, warmup=0), [{}], progress=True)
+    peers, reference = bars
+    assert peers.n == peers.total == 2 * (1 + 3)  # two passes over one prompt: specfork AR and three transformers runs
+    assert reference.n == reference.total == 2  # n-gram and the AR it is checked against, unreported
 
 
 def test_no_bandwidth_columns_by_default(tiny):

@@ -189,15 +189,6 @@ def _result(mode: str, dataset: str, s: BenchSettings, llm, speeds: list[float],
     return result, [o.token_ids for o in outputs]
 
 
-def _counting(bar, shown: tuple[str, ...]) -> Progress:
-    """Progress on ``bar`` for the requests of the reported modes and the peers (AR may run
-    unreported, as the reference of greedy runs)."""
-    def count(mode: str, requests: int) -> None:
-        if mode in shown:
-            bar.update(requests)
-    return count
-
-
 def interleaved_groups(modes: list[str], s: BenchSettings) -> tuple[list[str], list[list[str]]]:
     """(the modes timed together, with the peers; the modes timed each on its own): every mode
     but SSD together (SSD pins the process to its target's cores while its drafter runs, and the
@@ -293,7 +284,8 @@ def run_benchmark(settings: BenchSettings, sweep: list[dict], progress: bool = T
             key = (dataset, pt.input_len, pt.num_prompts)
             if key not in prompt_sets:
                 prompt_sets[key] = load_prompt_ids(probe, dataset, pt)
-    total = sum(len(prompt_sets[(d, pt.input_len, pt.num_prompts)]) * len(pt.modes) * pt.repeat for _, pt, d in cells)
+    total = sum(len(prompt_sets[(d, pt.input_len, pt.num_prompts)]) * len(_run_order(pt)) * pt.repeat
+                for _, pt, d in cells)
     bar = tqdm(total=total, desc="bench", unit="req", disable=not progress)
     results: list[RunResult] = []
     notes: list[str] = []
@@ -301,8 +293,7 @@ def run_benchmark(settings: BenchSettings, sweep: list[dict], progress: bool = T
     for index, point, dataset in cells:
         prompts = prompt_sets[(dataset, point.input_len, point.num_prompts)]
         greedy = point.temperature == 0
-        # Greedy runs are checked against AR, so AR runs first even when it is not reported.
-        order = (["ar"] if greedy or "ar" in point.modes else []) + [m for m in point.modes if m != "ar"]
+        order = _run_order(point)
         reference = None
         peers = []
         for peer in point.peers:  # peers do not depend on k, fan-out or the draft: run them once
@@ -320,9 +311,8 @@ def run_benchmark(settings: BenchSettings, sweep: list[dict], progress: bool = T
         for group, group_peers in [(together, peers), *((g, []) for g in alone)]:
             if not group and not group_peers:
                 continue
-            shown = (*point.modes, *(run.name for run in group_peers))
-            timed_cells, timed_peers = run_interleaved(group, dataset, prompts, point, _counting(bar, shown),
-                                                       group_peers)
+            timed_cells, timed_peers = run_interleaved(group, dataset, prompts, point,
+                                                       lambda _, requests: bar.update(requests), group_peers)
             peer_cells += timed_peers
             for mode, (result, tokens) in zip(group, timed_cells, strict=True):
                 if mode == "ar":
@@ -350,6 +340,12 @@ def run_benchmark(settings: BenchSettings, sweep: list[dict], progress: bool = T
         "results": [asdict(r) for r in results],
         "notes": notes,
     }
+
+
+def _run_order(point: BenchSettings) -> list[str]:
+    """The modes a point runs, AR first: greedy runs are checked against AR, so AR runs even when
+    it is not reported (and counts on the progress bar, which shows the work left)."""
+    return (["ar"] if point.temperature == 0 or "ar" in point.modes else []) + [m for m in point.modes if m != "ar"]
 
 
 def _match_rate(tokens: list[list[int]], reference: list[list[int]] | None) -> float | None:
