@@ -254,12 +254,24 @@ def test_cli_prompts_file_errors(tmp_path, tiny_dir):
     (dict(mode="ssd", corpus_tokens=3), "--corpus-tokens caps"),
     (dict(mode="sd", lookup_corpus="none", corpus_tokens=3), "--corpus-tokens caps"),
     (dict(quantize_group=64), "give --quantize int4 too"),
+    (dict(mode="ssd", draft_confidence=0.2), "--draft-confidence is SD's floor"),
+    (dict(mode="sd", ngram_min=2), "--ngram-min is the shortest n-gram that --drafter ngram matches"),
+    (dict(mode="ssd", ngram_max=3), r"--ngram-max .* this run \(--mode ssd\) looks none up"),
+    (dict(mode="sd", draft="path/to/my-draft", ngram_max=3), r"this run \(--mode sd, no lookup first\)"),
 ])
 def test_options_the_run_would_ignore_are_refused(options, message):
     from specfork.config import Config
 
     with pytest.raises(SpecforkError, match=message):
         Config(**options)
+
+
+def test_the_ngram_bounds_are_taken_where_a_lookup_reads_them():
+    from specfork.config import Config
+
+    assert Config(mode="sd", drafter="ngram", ngram_min=2, ngram_max=3).ngram_min == 2
+    assert Config(mode="sd", ngram_max=3).prompt_lookup  # the shipped head looks up first
+    assert Config(mode="sd", draft="path/to/my-draft", lookup_first=2, ngram_max=3).ngram_max == 3
 
 
 def test_a_draft_confidence_for_a_draft_model_and_a_context_past_the_cache_are_refused(tiny_dir):

@@ -101,7 +101,8 @@ class Config:
         "tokens; SSD's branches always have --k) (default: 0.3 with the shipped draft, measured best with "
         "--lookup-first 2 on the embedded model; 0 with any other draft)", group=SPECULATIVE)
     ngram_min: int = option(1, "shortest n-gram matched by --drafter ngram", group=SPECULATIVE)
-    ngram_max: int = option(4, "longest n-gram matched by --drafter ngram", group=SPECULATIVE)
+    ngram_max: int = option(4, "longest n-gram matched by SD's prompt lookup (--drafter ngram, or --lookup-first)",
+                            group=SPECULATIVE)
     lookup_first: int | None = option(
         None, "SD with a draft model or EAGLE-3 head: where the context's last N tokens (up to --ngram-max) "
         "occurred earlier, propose what followed them (prompt lookup) instead of drafting; the draft proposes "
@@ -133,7 +134,8 @@ class Config:
                                      "(default: off)", group=SSD)
     tree_backend: str = option("fast", "tree-decode attention: fast (per-branch block tables, the native paged "
                                "kernel) or sdpa (reference, explicit tree mask)", choices=TREE_BACKENDS, group=SSD)
-    drafter_device: str | None = option(None, "the drafter's device (default: the next GPU on CUDA, else the CPU)",
+    drafter_device: str | None = option(None, "the drafter's device (default: the next GPU when the target is on CUDA and "
+                                        "another GPU exists, else the target's device)",
                                         group=SSD)
     drafter_rank: int | None = option(None, "run the drafter as this rank of the torch.distributed world instead "
                                       "of a local process: rank --tensor-parallel-size (the one after the "
@@ -151,8 +153,8 @@ class Config:
                           "no per-step dequantisation, activations rounded to int16 per group of 32; an EAGLE-3 "
                           "head's projections run the int4 kernel); native-int8: the same with activations rounded "
                           "to int8 as llama.cpp does (about a third fewer multiply-add instructions for "
-                          "verification windows and batches, with VNNI; logits move about 1e-2, see "
-                          "docs/benchmarks.md); fp32: dequantise at load, heads stay float. Target and draft alike",
+                          "verification windows and batches, with VNNI; logits move about 3e-2 of the largest "
+                          "logit, tested at 8e-2: docs/decisions.md); fp32: dequantise at load, heads stay float. Target and draft alike",
                           choices=WEIGHTS, group=ENGINE)
     quantize: str | None = option(None, "quantise an HF checkpoint's projections to 4 bits at load, for the same "
                                   "kernel (default: off, float32)", choices=QUANTIZE, group=ENGINE)
@@ -266,6 +268,19 @@ class Config:
             raise SpecforkError("--corpus-tokens caps the proposals of the lookup corpus, which only SD's prompt "
                                 "lookup searches (--mode sd with --drafter ngram or --lookup-first N, and a "
                                 "--lookup-corpus); this run searches none")
+        if self.mode == "ssd" and self.draft_confidence is not None:
+            raise SpecforkError("--draft-confidence is SD's floor on an EAGLE-3 head's chains; SSD's drafter "
+                                "pre-drafts branches of --k tokens, whatever the confidence: leave it out, or use "
+                                "--mode sd")
+        lookup_alone = self.mode == "sd" and self.drafter == "ngram"
+        if self.ngram_min != 1 and not lookup_alone:
+            raise SpecforkError("--ngram-min is the shortest n-gram that --drafter ngram matches (--mode sd); "
+                                + ("SD's lookup before a draft matches --lookup-first N tokens and up"
+                                   if self.mode == "sd" else f"--mode {self.mode} looks no n-gram up"))
+        if self.ngram_max != 4 and not self.prompt_lookup:
+            raise SpecforkError("--ngram-max is the longest n-gram that SD's prompt lookup matches (--mode sd with "
+                                f"--drafter ngram or --lookup-first N); this run (--mode {self.mode}"
+                                + (", no lookup first" if self.mode == "sd" else "") + ") looks none up")
         if self.quantize is None and self.quantize_group != DEFAULT_QUANTIZE_GROUP:
             raise SpecforkError("--quantize-group is the group size of --quantize; give --quantize int4 too")
 

@@ -10,7 +10,7 @@ HELP = "compile the native CPU kernels now, with progress (install.sh runs it)"
 DESCRIPTION = (
     "Compile specfork's native CPU kernels (quantised GEMM, paged attention, fused decoder "
     "layer) for this machine: about 2 minutes on 2 cores, once. The build is cached under "
-    "~/.cache/specfork/kernels, keyed by the sources, the torch version and the compiler flags, so "
+    "~/.cache/specfork/kernels, keyed by the sources, the torch version, the compiler flags and the CPU, so "
     "a second install or any later run imports it at once. Without a C++ compiler specfork still "
     "runs, on slower PyTorch paths."
 )
