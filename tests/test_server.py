@@ -134,6 +134,25 @@ def test_a_cancelled_stream_frees_its_sequence_and_blocks(server):
     assert server.metric("specfork_requests_finished_total", 'finish_reason="abort"') == aborted + 1
 
 
+def test_a_client_that_stops_waiting_for_a_whole_reply_frees_its_sequence(server):
+    """A non-streaming request whose client gives up while tokens are still being produced (each
+    step sends the request an event, which once kept the disconnect check from ever running: the
+    request ran to its last token, and the openai client's retries ran two more)."""
+    disconnects = server.metric("specfork_client_disconnects_total")
+    aborted = server.metric("specfork_requests_finished_total", 'finish_reason="abort"')
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=1.5, max_retries=0)
+    with pytest.raises(openai.APITimeoutError):
+        client.completions.create(model=MODEL, prompt="Write a long story.", max_tokens=900, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    deadline = time.time() + 10
+    while time.time() < deadline and server.metric("specfork_num_requests_running") > 0:
+        time.sleep(0.2)
+    assert server.metric("specfork_num_requests_running") == 0
+    assert server.metric("specfork_kv_cache_blocks_used") == 0
+    assert server.metric("specfork_client_disconnects_total") == disconnects + 1
+    assert server.metric("specfork_requests_finished_total", 'finish_reason="abort"') == aborted + 1
+
+
 BAD_REQUESTS = [
     ("/v1/completions", "{not json", "not valid JSON"),
     ("/v1/completions", "[1, 2]", "JSON object"),

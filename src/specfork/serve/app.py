@@ -236,16 +236,23 @@ def _api_error(event: Failed, body: GenerationRequest | None = None) -> ApiError
 
 async def wait_all(loop: EngineLoop, group: RequestGroup, request: Request,
                    metrics: ServerMetrics) -> list[RequestOutput]:
-    """Every choice's finished output; cancels the request if the client disconnects first."""
+    """Every choice's finished output; cancels the request if the client disconnects first (asked
+    every DISCONNECT_POLL_S, whether events arrive or not: a running request sends one a step)."""
     outputs: dict[int, RequestOutput] = {}
+    clock = asyncio.get_running_loop().time
+    next_check = clock() + DISCONNECT_POLL_S
     try:
         while len(outputs) < len(group.handles):
             try:
-                index, event = await asyncio.wait_for(group.events.get(), DISCONNECT_POLL_S)
+                index, event = await asyncio.wait_for(group.events.get(), max(0.0, next_check - clock()))
             except TimeoutError:
+                event = None
+            if clock() >= next_check:
                 if await request.is_disconnected():
                     metrics.client_disconnected()
                     raise ApiError(499, "the client disconnected") from None
+                next_check = clock() + DISCONNECT_POLL_S
+            if event is None:
                 continue
             if isinstance(event, Failed):
                 raise _api_error(event)
