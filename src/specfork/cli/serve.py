@@ -27,14 +27,17 @@ def add_arguments(p) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from specfork.config import Config
     from specfork.llm import LLM
     from specfork.serve.server import serve
 
     options = schema.values(args, ServerSettings)
-    options["api_key"] = options["api_key"] or os.environ.get("SPECFORK_API_KEY") or None
+    if options["api_key"] is None:  # an empty --api-key "$UNSET" is refused, never taken as no key
+        options["api_key"] = os.environ.get("SPECFORK_API_KEY")
     settings = ServerSettings(**options, log_level=args.log_level.lower())
     engine = engine_options(args)
     model = engine["model"]
+    Config(**engine)  # the options checked before "loading" is printed
     print(f"loading {model} ({args.mode}) ...", file=sys.stderr, flush=True)
     try:
         serve(lambda: LLM(**engine), model, settings,

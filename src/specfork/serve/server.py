@@ -49,7 +49,8 @@ class ServerSettings:
         if self.max_request_bytes < 1:
             raise SpecforkError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
         if self.api_key is not None and not self.api_key:
-            raise SpecforkError("api_key must not be empty (leave it unset to serve without a key)")
+            raise SpecforkError("api_key (--api-key, or SPECFORK_API_KEY) must not be empty; leave it unset to serve "
+                                "without a key")
 
 
 def exposure_warning(host: str, api_key: str | None) -> str | None:
