@@ -83,6 +83,19 @@ def test_draft_equal_to_target_hits_and_accepts_everything(pair):
         assert m["ssd_drafter_s"] > 0 and 0.0 <= m["ssd_hidden_fraction"] <= 1.0
 
 
+def test_a_request_that_fills_the_context_leaves_the_drafter_running(pair):
+    """Branches pre-drafted k tokens past the speculation ran past the RoPE tables at the end of
+    the context and killed the drafter process (every request then ran degraded)."""
+    prompts = [PROMPTS[2], PROMPTS[0]]
+    lengths = [40 - len(p) for p in prompts]  # each request ends exactly at max_model_len
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    with LLM(pair["target"], mode="ssd", draft=pair["target"], k=4, max_model_len=40, deterministic=True) as llm:
+        outs = llm.generate(prompts, params)
+        assert llm.health().degraded is None
+        assert llm.engine.step_strategy.proposer.failures == 0
+    assert [o.token_ids for o in outs] == [_ar(pair["target"], [p], n)[0] for p, n in zip(prompts, lengths, strict=True)]
+
+
 def test_unrelated_draft_exercises_hits_and_misses(pair):
     with LLM(pair["target"], mode="ssd", draft=pair["draft"], k=3, fan_out=4, deterministic=True) as llm:
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))

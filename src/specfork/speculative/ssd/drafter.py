@@ -107,6 +107,7 @@ class DrafterCore:
         self.drafts = runner(model, vocab_size=settings.vocab_size or model.config.vocab_size,
                              num_blocks=settings.num_blocks, block_size=settings.block_size, device=device)
         self._trunk = HeadTrunk if runner is HeadRunner else TrunkState
+        self.max_positions = model.rotary.cos.shape[0]  # the target's context: its RoPE table length
         self.states: dict[int, TrunkState] = {}
         self.cache = SpeculationCache()
         self.pending: list[int] = []  # sequences answered this round, to pre-draft for
@@ -198,7 +199,12 @@ class DrafterCore:
             self.stats["prepare_s"] = time.perf_counter() - started
 
     def _prepare_next(self) -> None:
-        seq_ids = [i for i in self.pending if i in self.states and self.states[i].draftable()]
+        # A branch ends k tokens past the glued speculation; near the end of the context it would
+        # run past the RoPE tables, where the target verifies nothing: such sequences are not
+        # pre-drafted (a miss drafts what the target asks for, which stays inside the context).
+        seq_ids = [i for i in self.pending if i in self.states and self.states[i].draftable()
+                   and len(self.states[i].history) + len(self.states[i].last_spec) + self.settings.k
+                   < self.max_positions]
         self.pending = []
         if not seq_ids:
             return
