@@ -405,6 +405,41 @@ def test_ctrl_c_leaves_no_drafter_behind(pair, tmp_path):
     assert not _alive(drafter_pid), "the drafter outlived Ctrl-C"
 
 
+def test_the_drafter_runs_in_its_own_session_and_leaves_quietly_if_never_launched():
+    """A terminal's Ctrl-C reaches the target's group only (a drafter that took it died while a
+    server drained its requests, and was restarted); a target gone before the launch message
+    ends the drafter without a traceback (it tried to answer on the closed socket)."""
+    from specfork.speculative.ssd.transport import DrafterProcess
+
+    drafter = DrafterProcess()
+    try:
+        assert os.getsid(drafter.pid) == drafter.pid != os.getsid(0)
+        drafter.conn.close()  # the target goes away before launching it
+        assert drafter.process.wait(timeout=60) == 0
+    finally:
+        drafter.close()
+
+
+def test_sigterm_unwinds_a_command_like_ctrl_c(monkeypatch, capsys):
+    """`kill` / `docker stop` ended `generate --mode ssd` by the signal's default action: the
+    drafter was left to find out on its own, printing a traceback after the shell's prompt."""
+    import signal
+    import time
+
+    from specfork import cli
+
+    def killed(args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        return 0
+
+    monkeypatch.setattr(cli.models, "run", killed)
+    before = signal.getsignal(signal.SIGTERM)
+    assert cli.main(["models"]) == 143
+    assert "terminated" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is before  # restored
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

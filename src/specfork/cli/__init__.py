@@ -9,7 +9,10 @@ import argparse
 import logging
 import os
 import shlex
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 
 from specfork.cli import bench, bench_serve, build_kernels, export_gguf, generate, models, serve, train_draft
 from specfork.cli.parser import EXIT_BAD_INPUT, Parser
@@ -61,6 +64,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(Exception):
+    """SIGTERM arrived (`kill`, `docker stop`, systemd): unwound like Ctrl-C, so that the
+    engine's processes (SSD's drafter, tensor-parallel ranks) are stopped on the way out."""
+
+
+@contextmanager
+def _sigterm_raises():
+    """SIGTERM raises :class:`Terminated` while a command runs (the server installs its own
+    handler once it serves); the previous handler is back afterwards. Only the main thread can
+    set a handler: elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum, frame):
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -72,7 +99,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EXIT_BAD_INPUT
     try:
-        return COMMANDS[args.command].run(args)
+        with _sigterm_raises():
+            return COMMANDS[args.command].run(args)
+    except Terminated:
+        sys.stdout.flush()
+        print("\nterminated", file=sys.stderr)
+        return 143
     except SpecforkError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -41,6 +41,10 @@ class DrafterProcess:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "specfork.speculative.ssd.worker", str(child_sock.fileno())],
             pass_fds=(child_sock.fileno(),),
+            # Its own session: a terminal's Ctrl-C goes to the target's process group only, and the
+            # target stops the drafter itself (a drafter that took the signal died mid-drain, and
+            # was restarted while the server shut down).
+            start_new_session=True,
         )
         child_sock.close()
         self.conn = Connection(parent_sock.detach())

@@ -8,8 +8,8 @@ Messages from the target (in order, one at a time):
 * ``("exit",)``: leave.
 
 The first message is the :class:`DrafterLaunch`; the reply ``("ready", info)`` or
-``("error", message)``. The process also leaves when the connection closes (the target died)
-or on Ctrl-C.
+``("error", message)``. The process also leaves when the connection closes (the target died).
+It runs in its own session, so a terminal's Ctrl-C reaches the target only, which stops it.
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ DRAFTER_ROLE = "specfork.speculative.ssd.worker:serve_rank"  # the drafter as a 
 def drafter_main(conn) -> None:
     try:
         launch: DrafterLaunch = conn.recv()
+    except (EOFError, OSError, KeyboardInterrupt):  # the target went away before launching it
+        return
+    try:
         pin_process(launch.cores or tuple(os.sched_getaffinity(0)), launch.threads)
         device = torch.device(launch.device)
         if device.type == "cuda":
@@ -44,7 +47,10 @@ def drafter_main(conn) -> None:
     except KeyboardInterrupt:
         return
     except Exception as e:  # reported to the target, which falls back
-        conn.send(("error", f"{type(e).__name__}: {e}"))
+        try:
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+        except OSError:  # the target is gone too
+            pass
         return
     try:
         while True:
