@@ -84,6 +84,24 @@ def test_a_closed_llm_refuses_to_generate(tiny_dir):
             use()
 
 
+def test_an_engine_gives_the_process_its_threads_back_when_closed_or_dropped(tiny_dir):
+    """LLM(threads=N) (and tensor parallelism's share of the cores) set the process's torch
+    threads for good: the next engine, or the user's own torch code, ran on them."""
+    import gc
+
+    import torch
+
+    before = torch.get_num_threads()
+    other = 1 if before != 1 else 2
+    with LLM(str(tiny_dir), threads=other):
+        assert torch.get_num_threads() == other
+    assert torch.get_num_threads() == before
+    llm = LLM(str(tiny_dir), threads=other)
+    del llm
+    gc.collect()
+    assert torch.get_num_threads() == before
+
+
 def test_a_refused_request_leaves_no_part_of_its_batch_queued(tiny_llm):
     ok, too_long = SamplingParams(max_tokens=4), SamplingParams(max_tokens=100)
     with pytest.raises(PromptError, match="max_model_len 64"):

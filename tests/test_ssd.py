@@ -320,6 +320,22 @@ def test_ssd_says_once_why_it_can_be_slow_when_the_target_gives_up_cores(pair, c
     assert len(said) == 1 and "can be slower than SD here" in said[0]
 
 
+def test_an_ssd_engine_dropped_without_close_gives_the_process_its_cores_back(pair):
+    """The target's pinning to half the cores was undone by close() only: after `del llm` the
+    process (and every engine after it) ran on one core."""
+    import gc
+
+    before = (os.sched_getaffinity(0), torch.get_num_threads())
+    if len(before[0]) < 2:
+        pytest.skip("one core: SSD's target and drafter share it, nothing is pinned")
+    llm = LLM(pair["target"], mode="ssd", draft=pair["draft"], k=2)
+    llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=8))
+    assert os.sched_getaffinity(0) != before[0]  # pinned while the drafter runs
+    del llm
+    gc.collect()
+    assert (os.sched_getaffinity(0), torch.get_num_threads()) == before
+
+
 def test_close_stops_the_drafter_process(pair):
     llm = LLM(pair["target"], mode="ssd", draft=pair["draft"], k=2)
     process = llm.engine.step_strategy.proposer.process

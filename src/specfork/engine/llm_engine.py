@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import count
@@ -48,6 +49,7 @@ class LLMEngine:
         ``extra_roles``: ranks the step needs in the torch.distributed world besides the model's
         (parallel/world.py ``RankRole``s, e.g. SSD's drafter as a rank)."""
         self.config = config
+        threads_before = torch.get_num_threads()
         if config.threads is not None and config.device == "cpu":
             torch.set_num_threads(config.threads)
         for option, device in (("device", config.device), ("drafter_device", config.drafter_device)):
@@ -57,6 +59,9 @@ class LLMEngine:
         dtype = _DTYPES[config.torch_dtype_name]
         num_blocks = config.num_kv_blocks or -(-config.kv_cache_tokens // config.block_size)
         self.world = _start_world(config, num_blocks, extra_roles)
+        # The process's torch threads come back when the engine closes, or is dropped without
+        # closing, unless someone set them since (another engine).
+        self._restore_threads = weakref.finalize(self, _restore_threads, threads_before, torch.get_num_threads())
         self.parallel = None
         if config.tensor_parallel_size > 1:
             from specfork.parallel.group import TensorParallelGroup
@@ -66,6 +71,7 @@ class LLMEngine:
             self._build(config, build_step, dtype, num_blocks)
         except BaseException:
             self._close_world()
+            self._restore_threads()
             raise
 
     def _build(self, config: Config, build_step, dtype: torch.dtype, num_blocks: int) -> None:
@@ -195,6 +201,7 @@ class LLMEngine:
         ranks)."""
         self.step_strategy.close()
         self._close_world()
+        self._restore_threads()
 
     def _close_world(self) -> None:
         if self.parallel:
@@ -326,6 +333,11 @@ class LLMEngine:
             "num_preemptions": seq.num_preemptions,
             **{k: v for stat in seq.stats.values() for k, v in stat.as_metrics().items()},
         }
+
+
+def _restore_threads(before: int, set_here: int) -> None:
+    if torch.get_num_threads() == set_here:
+        torch.set_num_threads(before)
 
 
 def _start_world(config: Config, num_blocks: int, extra_roles: tuple):

@@ -5,6 +5,7 @@ spin on the other's."""
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 
@@ -60,6 +61,9 @@ class TargetPinning:
         self.cores = cores
         self.threads = threads or (len(cores) if cores else None)
         self._previous = (tuple(os.sched_getaffinity(0)), torch.get_num_threads())
+        self._pinned = [False]
+        # An engine dropped without close() still gives the process its cores and threads back.
+        weakref.finalize(self, _unpin_if_pinned, self._pinned, self._previous)
 
     def __call__(self, on: bool) -> None:
         if self.cores is None:
@@ -68,3 +72,9 @@ class TargetPinning:
             pin_process(self.cores, self.threads)
         else:
             pin_process(*self._previous)
+        self._pinned[0] = on
+
+
+def _unpin_if_pinned(pinned: list[bool], previous: tuple) -> None:
+    if pinned[0]:
+        pin_process(*previous)
