@@ -92,8 +92,8 @@ class Config:
                                  "the draft and target step times measured at start-up and the acceptance observed "
                                  "while generating, 0 (plain decoding) where speculation does not pay "
                                  "(speculative/auto_k.py); the choice and its reasons are reported. Sampling with a "
-                                 "seed is reproducible at a fixed k; auto's choice follows measured times, so it may "
-                                 f"not be (default: auto for SD, {SSD_DEFAULT_K} for SSD)",
+                                 "seed is reproducible in SD at a fixed k; auto's choice follows measured times, so it "
+                                 "may not be, and SSD's hits and misses follow timing, so it is not (default: auto for SD, {SSD_DEFAULT_K} for SSD)",
                                  parse=int_or_auto, group=SPECULATIVE)
     draft_confidence: float | None = option(
         None, "SD with an EAGLE-3 head: take a chain's next token only while the head's probability of the chain "
