@@ -140,6 +140,37 @@ def test_greedy_ssd_with_a_head_equals_ar(head_pair, k, backup):
     assert sum(o.metrics["draft_tokens_proposed"] for o in outs) > 0
 
 
+def test_sequences_in_flight_when_a_head_drafter_dies_are_asked_for_no_drafts_after_the_restart(head_pair):
+    """Their earlier features died with the drafter, so the restarted one could only guess by
+    n-gram lookup (a few percent accepted, each guess a verify row); new sequences get the head."""
+    import time
+
+    prompts = [PROMPT, [6, 1, 1, 0, 3]]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(head_pair["target"], deterministic=True).generate(prompts, params)]
+    with LLM(head_pair["target"], mode="ssd", draft=head_pair["draft"], k=3, deterministic=True) as llm:
+        engine, proposer = llm.engine, llm.engine.step_strategy.proposer
+        seqs = [engine.add_request(p, params) for p in prompts]
+        for _ in range(3):
+            engine.step()
+        proposer.process.kill()
+        while proposer.failures == 0:
+            engine.step()
+        proposer._restart_at = 0.0  # no backoff: restart now
+        deadline = time.monotonic() + 60
+        while proposer.drafter is None and time.monotonic() < deadline:
+            proposer._restart_if_due()
+            time.sleep(0.05)
+        assert proposer.restarts == 1
+        proposed = [engine.output(s).metrics["draft_tokens_proposed"] for s in seqs]
+        while any(not s.is_finished for s in seqs):
+            engine.step()
+        assert [engine.output(s).token_ids for s in seqs] == expected
+        assert [engine.output(s).metrics["draft_tokens_proposed"] for s in seqs] == proposed
+        fresh = llm.generate([prompts[0]], params)[0]
+        assert fresh.token_ids == expected[0] and fresh.metrics["draft_tokens_proposed"] > 0
+
+
 def test_a_head_needs_the_fast_tree_backend(head_pair):
     with pytest.raises(SpecforkError, match="tree-backend sdpa runs draft models only"):
         LLM(head_pair["target"], mode="ssd", draft=head_pair["draft"], tree_backend="sdpa")

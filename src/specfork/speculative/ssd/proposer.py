@@ -117,6 +117,10 @@ class SSDProposer:
         self._sent: dict[int, int] = {}  # tokens of each sequence the drafter has been told
         self._accepted: dict[int, int | None] = {}
         self._released: list[int] = []
+        # Sequences in flight when a drafter that reads features failed: their earlier features
+        # died with it, so no later drafter can draft for them (a restarted one served them n-gram
+        # guesses, 3% of them accepted, each a verify row): they are asked for no drafts.
+        self._orphans: set[int] = set()
         self._pin(True)
         self.drafter: DrafterProcess | None = drafter if drafter is not None else DrafterProcess()
         self.process = self.drafter.process  # of the newest drafter (tests and diagnostics)
@@ -142,6 +146,8 @@ class SSDProposer:
         if self.drafter is None:
             self._restart_if_due()
         if self.drafter is not None:
+            if self._orphans:
+                num_tokens = [0 if s.seq_id in self._orphans else n for s, n in zip(seqs, num_tokens, strict=True)]
             proposal = self._ask(seqs, num_tokens)
             if proposal is not None:
                 return proposal
@@ -162,6 +168,7 @@ class SSDProposer:
         self._accepted.pop(seq.seq_id, None)
         self._features.pop(seq.seq_id, None)
         self._live.pop(seq.seq_id, None)
+        self._orphans.discard(seq.seq_id)
         if self.fallback is not None:
             self.fallback.release(seq)
 
@@ -219,7 +226,9 @@ class SSDProposer:
         self._sent.clear()
         self._accepted.clear()
         self._released.clear()
-        self._features.clear()  # the sequences in flight get no more drafts from a head
+        self._features.clear()
+        if self.feature_layers:  # the sequences in flight get no more drafts from a head
+            self._orphans.update(self._live)
         self._pin(False)  # the drafter's cores are free meanwhile
         if not self._restartable:
             self._restart_at = None
