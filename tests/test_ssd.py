@@ -224,6 +224,28 @@ def test_killing_the_drafter_mid_generation_keeps_outputs_identical(pair, caplog
     llm.close()
 
 
+def test_an_idle_engine_notices_a_dead_drafter_and_restarts_it(pair):
+    """A server with no requests said ok with its drafter dead (a zombie), and restarted it only
+    when a request came: the engine loop's idle calls now do both."""
+    import time
+
+    with LLM(pair["target"], mode="ssd", draft=pair["draft"], k=2) as llm:
+        proposer = llm.engine.step_strategy.proposer
+        dead = proposer.process
+        dead.kill()
+        dead.wait()
+        llm.engine.idle()
+        assert proposer.failures == 1 and "exited" in llm.health().degraded
+        proposer._restart_at = 0.0  # no backoff: restart now
+        deadline = time.monotonic() + 60
+        while proposer.restarts == 0 and time.monotonic() < deadline:
+            llm.engine.idle()
+            time.sleep(0.05)
+        assert proposer.restarts == 1 and llm.health().degraded is None and proposer.process is not dead
+        out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
+        assert out.token_ids == _ar(pair["target"], [PROMPTS[0]], 12)[0] and out.metrics["ssd_requests"] > 0
+
+
 def test_a_hung_drafter_times_out_and_generation_continues(pair):
     import os
     import signal

@@ -213,6 +213,10 @@ class LLMEngine:
         """How the decoding step's helpers are doing (an SSD drafter that failed: degraded)."""
         return self.step_strategy.health()
 
+    def idle(self) -> None:
+        """No request to run: the step looks after its helpers (a server calls this while idle)."""
+        self.step_strategy.idle()
+
     def abort(self, seq: Sequence) -> None:
         if not seq.is_finished:
             seq.finish_reason = "abort"

@@ -56,6 +56,11 @@ class Step(Protocol):
         """How the step's helpers are doing."""
         ...
 
+    def idle(self) -> None:
+        """Nothing to run: look after the step's helpers (a dead SSD drafter noticed and
+        restarted while no request asks for drafts)."""
+        ...
+
     def close(self) -> None:
         """Release what the step holds outside this process (e.g. a drafter process); idempotent."""
         ...
@@ -97,6 +102,9 @@ class AutoregressiveStep:
 
     def health(self) -> StepHealth:
         return StepHealth()
+
+    def idle(self) -> None:
+        pass
 
     def close(self) -> None:
         pass

@@ -254,7 +254,9 @@ class EngineLoop:
                 return
             if self._cut_at is not None and time.monotonic() >= self._cut_at:
                 self._cut_all()
-            if engine.has_unfinished():
+            if not engine.has_unfinished():
+                engine.idle()
+            else:
                 updates = engine.step()
                 self.snapshot.steps += 1
                 failed_steps = failed_steps + 1 if updates and all(u.error for u in updates) else 0

@@ -158,6 +158,11 @@ class SpeculativeStep:
         health = getattr(self.proposer, "health", None)
         return health() if health is not None else StepHealth()
 
+    def idle(self) -> None:
+        idle = getattr(self.proposer, "idle", None)
+        if idle is not None:
+            idle()
+
     def _share_features(self, seqs: list[Sequence], positions: list[int], rows: list[tuple[int, int]]) -> None:
         """Hand the proposer the target's features of the kept positions: ``rows[i]`` = (first flat
         row of the last pass, count) for ``seqs[i]``, whose first kept position is ``positions[i]``."""

@@ -172,6 +172,15 @@ class SSDProposer:
         if self.fallback is not None:
             self.fallback.release(seq)
 
+    def idle(self) -> None:
+        """Between requests: a drafter process that died is noticed (health says degraded at
+        once, not at the next request), and one due to restart is started."""
+        process = getattr(self.drafter, "process", None)
+        if process is not None and process.poll() is not None:
+            self._fail(f"the drafter process exited (code {process.returncode})")
+        if self.drafter is None:
+            self._restart_if_due()
+
     def health(self) -> StepHealth:
         degraded = None
         if self.drafter is None:
