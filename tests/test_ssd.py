@@ -358,6 +358,17 @@ def test_an_ssd_engine_dropped_without_close_gives_the_process_its_cores_back(pa
     assert (os.sched_getaffinity(0), torch.get_num_threads()) == before
 
 
+def test_target_cores_that_leave_the_drafter_none_are_refused(pair):
+    """--target-cores naming every core gave the drafter every core too, silently."""
+    from specfork.errors import SpecforkError
+
+    every = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    with pytest.raises(SpecforkError, match="--target-cores takes every core available"):
+        LLM(pair["target"], mode="ssd", draft=pair["draft"], k=2, target_cores=every)
+    with pytest.raises(SpecforkError, match="--draft-cores takes every core available"):
+        LLM(pair["target"], mode="ssd", draft=pair["draft"], k=2, draft_cores=every)
+
+
 def test_close_stops_the_drafter_process(pair):
     llm = LLM(pair["target"], mode="ssd", draft=pair["draft"], k=2)
     process = llm.engine.step_strategy.proposer.process

@@ -28,9 +28,13 @@ def split_cores(config: Config) -> tuple[tuple[int, ...] | None, tuple[int, ...]
         half = len(available) // 2
         return available[:half], available[half:]
     if target is None:
-        target = tuple(c for c in available if c not in drafter) or available
+        target = tuple(c for c in available if c not in drafter)
     if drafter is None:
-        drafter = tuple(c for c in available if c not in target) or available
+        drafter = tuple(c for c in available if c not in target)
+    for name, other, cores in (("target_cores", "draft_cores", target), ("draft_cores", "target_cores", drafter)):
+        if not cores:  # both processes on the same cores, their threads spinning on each other's
+            raise SpecforkError(f"--{other.replace('_', '-')} takes every core available ({list(available)}), "
+                                f"leaving none for --{name.replace('_', '-')}: give each its own")
     return target, drafter
 
 
