@@ -367,3 +367,29 @@ def test_cli_version_and_an_interrupt_on_its_own_line(monkeypatch):
     monkeypatch.setattr(COMMANDS["models"], "run", interrupted)
     r = run_main("models")
     assert r.returncode == 130 and r.stderr == "\ninterrupted\n"
+
+
+@pytest.mark.parametrize("options, flag", [(dict(dist_timeout_s=5), "--dist-timeout"),
+                                           (dict(distributed_launch="torchrun"), "--distributed-launch")])
+def test_distributed_options_without_a_world_are_refused(options, flag):
+    from specfork.config import Config
+
+    with pytest.raises(SpecforkError, match=f"{flag} is for a torch.distributed world"):
+        Config(**options)
+    assert Config(tensor_parallel_size=2, **options).tensor_parallel_size == 2
+
+
+def test_tensor_parallel_ranks_with_more_threads_than_cores_are_warned_of(tiny_dir, monkeypatch, caplog):
+    """--tensor-parallel-size 2 --threads 2 on 2 cores ran 5x slower than the default, silently."""
+    import os
+
+    from specfork.parallel.world import World
+
+    def stop(*args, **kwargs):
+        raise RuntimeError("stopped before any rank starts")
+
+    monkeypatch.setattr(World, "start", stop)
+    cores = len(os.sched_getaffinity(0))
+    with caplog.at_level("WARNING"), pytest.raises(RuntimeError, match="stopped before"):
+        LLM(str(tiny_dir), tensor_parallel_size=2, threads=cores)
+    assert f"2 ranks of {cores} threads each on {cores} cores" in caplog.text

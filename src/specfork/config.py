@@ -335,6 +335,12 @@ class Config:
         if isinstance(self.dist_timeout_s, bool) or not isinstance(self.dist_timeout_s, (int, float)) \
                 or not self.dist_timeout_s > 0:
             raise SpecforkError(f"dist_timeout_s must be > 0, got {self.dist_timeout_s!r}")
+        if self.tensor_parallel_size == 1 and self.drafter_rank is None:  # no torch.distributed world
+            for name, default, flag in (("dist_timeout_s", 120.0, "--dist-timeout"),
+                                        ("distributed_launch", "local", "--distributed-launch")):
+                if getattr(self, name) != default:
+                    raise SpecforkError(f"{flag} is for a torch.distributed world (--tensor-parallel-size > 1 "
+                                        "or --drafter-rank); this run starts none")
         if self.drafter_rank is not None:
             if self.mode != "ssd":
                 raise SpecforkError("drafter_rank places SSD's drafter; it needs mode 'ssd'")

@@ -361,7 +361,12 @@ def _start_world(config: Config, num_blocks: int, extra_roles: tuple):
         from specfork.models.tensor_parallel import TensorShard
 
         TensorShard(0, config.tensor_parallel_size, reduce=None).heads(read_arch(config.model))
-    threads = config.threads or max(1, len(os.sched_getaffinity(0)) // config.tensor_parallel_size)
+    cores = len(os.sched_getaffinity(0))
+    threads = config.threads or max(1, cores // config.tensor_parallel_size)
+    if config.distributed_launch == "local" and threads * config.tensor_parallel_size > cores:
+        logger.warning("%d ranks of %d threads each on %d cores: their threads wait on one another (measured: "
+                       "5x slower than the default, cores / ranks threads each); leave --threads out",
+                       config.tensor_parallel_size, threads, cores)
     torch.set_num_threads(threads)
     launch = ShardLaunch(
         model=config.model, dtype=config.torch_dtype_name, max_positions=config.max_model_len,
