@@ -488,6 +488,22 @@ def test_sigterm_unwinds_a_command_like_ctrl_c(monkeypatch, capsys):
     assert "terminated" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGTERM) is before  # restored
 
+    # Arriving inside a decoding step, it is not taken for a failed batch (as an Exception was:
+    # the request failed with a traceback and the process went on).
+    from specfork.engine.step import AutoregressiveStep
+
+    execute = AutoregressiveStep.execute
+
+    def terminated_mid_step(self, batch):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        return execute(self, batch)
+
+    monkeypatch.setattr(AutoregressiveStep, "execute", terminated_mid_step)
+    assert cli.main(["generate", "--prompt", "hi", "--max-tokens", "4"]) == 143
+    err = capsys.readouterr().err
+    assert "terminated" in err and "failed" not in err
+
 
 def _alive(pid: int) -> bool:
     try:

@@ -64,9 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class Terminated(Exception):
+class Terminated(BaseException):
     """SIGTERM arrived (`kill`, `docker stop`, systemd): unwound like Ctrl-C, so that the
-    engine's processes (SSD's drafter, tensor-parallel ranks) are stopped on the way out."""
+    engine's processes (SSD's drafter, tensor-parallel ranks) are stopped on the way out. A
+    BaseException, as KeyboardInterrupt is: the engine's handling of a failed batch must not
+    take it for one."""
 
 
 @contextmanager
