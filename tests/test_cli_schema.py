@@ -148,3 +148,15 @@ def test_each_help_heading_appears_once():
         text = build_parser()._subparsers._group_actions[0].choices[command].format_help()
         headings = re.findall(r"^(\S[^\n]*):$", text, re.M)
         assert len(headings) == len(set(headings)), (command, headings)
+
+
+def test_no_help_shows_an_unfilled_placeholder():
+    """A help text that lost its f-prefix printed "{SSD_DEFAULT_K}" to users."""
+    import re
+
+    from specfork.cli import COMMANDS
+
+    for command in COMMANDS:
+        text = build_parser()._subparsers._group_actions[0].choices[command].format_help()
+        # (a constant's name; choices print in braces too, in lower case: --quantize {int4})
+        assert not re.search(r"\{[A-Z_][A-Z0-9_]*\}", text), (command, re.findall(r"\{[A-Z_][A-Z0-9_]*\}", text))

@@ -93,7 +93,8 @@ class Config:
                                  "while generating, 0 (plain decoding) where speculation does not pay "
                                  "(speculative/auto_k.py); the choice and its reasons are reported. Sampling with a "
                                  "seed is reproducible in SD at a fixed k; auto's choice follows measured times, so it "
-                                 "may not be, and SSD's hits and misses follow timing, so it is not (default: auto for SD, {SSD_DEFAULT_K} for SSD)",
+                                 "may not be, and SSD's hits and misses follow timing, so it is not (default: auto "
+                                 f"for SD, {SSD_DEFAULT_K} for SSD)",
                                  parse=int_or_auto, group=SPECULATIVE)
     draft_confidence: float | None = option(
         None, "SD with an EAGLE-3 head: take a chain's next token only while the head's probability of the chain "
@@ -134,8 +135,8 @@ class Config:
                                      "(default: off)", group=SSD)
     tree_backend: str = option("fast", "tree-decode attention: fast (per-branch block tables, the native paged "
                                "kernel) or sdpa (reference, explicit tree mask)", choices=TREE_BACKENDS, group=SSD)
-    drafter_device: str | None = option(None, "the drafter's device (default: the next GPU when the target is on CUDA and "
-                                        "another GPU exists, else the target's device)",
+    drafter_device: str | None = option(None, "the drafter's device (default: the next GPU when the target is on "
+                                        "CUDA and another GPU exists, else the target's device)",
                                         group=SSD)
     drafter_rank: int | None = option(None, "run the drafter as this rank of the torch.distributed world instead "
                                       "of a local process: rank --tensor-parallel-size (the one after the "
@@ -154,7 +155,8 @@ class Config:
                           "head's projections run the int4 kernel); native-int8: the same with activations rounded "
                           "to int8 as llama.cpp does (about a third fewer multiply-add instructions for "
                           "verification windows and batches, with VNNI; logits move about 3e-2 of the largest "
-                          "logit, tested at 8e-2: docs/decisions.md); fp32: dequantise at load, heads stay float. Target and draft alike",
+                          "logit, tested at 8e-2: docs/decisions.md); fp32: dequantise at load, heads stay float. "
+                          "Target and draft alike",
                           choices=WEIGHTS, group=ENGINE)
     quantize: str | None = option(None, "quantise an HF checkpoint's projections to 4 bits at load, for the same "
                                   "kernel (default: off, float32)", choices=QUANTIZE, group=ENGINE)

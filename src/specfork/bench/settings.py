@@ -62,8 +62,8 @@ class BenchSettings:
                                             "least this (0: always k; default: the engine's, 0.3 with the shipped "
                                             "draft)")
     lookup_first: int | None = option(None, "SD with a draft or head: prompt lookup of the context's last "
-                                      "N..4 tokens (generate's --ngram-max) proposes where it finds them, the draft elsewhere (0: "
-                                      "off; default: the engine's, 2 with the shipped draft)")
+                                      "N..4 tokens (generate's --ngram-max) proposes where it finds them, the draft "
+                                      "elsewhere (0: off; default: the engine's, 2 with the shipped draft)")
     lookup_corpus: str | None = option(None, "sd (with lookup first) and ngram: prompt lookup's corpus of the "
                                        "target's responses, a path or none (default: the engine's, the corpus "
                                        "shipped for the embedded model)")
