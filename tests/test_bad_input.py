@@ -274,7 +274,7 @@ def test_cli_prompts_file_errors(tmp_path, tiny_dir):
     (dict(quantize_group=64), "give --quantize int4 too"),
     (dict(mode="ssd", draft_confidence=0.2), "--draft-confidence is SD's floor"),
     (dict(mode="sd", ngram_min=2), "--ngram-min is the shortest n-gram that --drafter ngram matches"),
-    (dict(mode="ssd", ngram_max=3), r"--ngram-max .* this run \(--mode ssd\) looks none up"),
+    (dict(mode="ssd", ngram_max=3), r"--ngram-max .* SSD's fast backup looks n-grams up with fixed bounds"),
     (dict(mode="sd", draft="path/to/my-draft", ngram_max=3), r"this run \(--mode sd, no lookup first\)"),
 ])
 def test_options_the_run_would_ignore_are_refused(options, message):
@@ -286,6 +286,10 @@ def test_options_the_run_would_ignore_are_refused(options, message):
 
 def test_the_ngram_bounds_are_taken_where_a_lookup_reads_them():
     from specfork.config import Config
+
+    for options in (dict(ngram_min=2), dict(ngram_max=3), dict(draft_confidence=0.2)):  # SD's alone, not SSD's
+        with pytest.raises(SpecforkError, match="only applies to --mode sd;"):
+            Config(**options)
 
     assert Config(mode="sd", drafter="ngram", ngram_min=2, ngram_max=3).ngram_min == 2
     assert Config(mode="sd", ngram_max=3).prompt_lookup  # the shipped head looks up first
@@ -389,7 +393,8 @@ def test_tensor_parallel_ranks_with_more_threads_than_cores_are_warned_of(tiny_d
         raise RuntimeError("stopped before any rank starts")
 
     monkeypatch.setattr(World, "start", stop)
-    cores = len(os.sched_getaffinity(0))
+    cores, before = len(os.sched_getaffinity(0)), torch.get_num_threads()
     with caplog.at_level("WARNING"), pytest.raises(RuntimeError, match="stopped before"):
-        LLM(str(tiny_dir), tensor_parallel_size=2, threads=cores)
-    assert f"2 ranks of {cores} threads each on {cores} cores" in caplog.text
+        LLM(str(tiny_dir), tensor_parallel_size=2, threads=cores + 1)
+    assert f"2 ranks of {cores + 1} threads each on {cores} cores" in caplog.text
+    assert torch.get_num_threads() == before  # a world that failed to start leaves the threads as they were

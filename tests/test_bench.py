@@ -346,6 +346,9 @@ def test_bench_refuses_settings_that_no_run_reads(tiny):
         run_benchmark(_settings(tiny, modes=("ar", "ngram")), parse_sweep("draft_confidence=0.2,0.3"), progress=False)
     with pytest.raises(SpecforkError, match="--sweep k would replace --k 3"):
         run_benchmark(_settings(tiny, modes=("ar", "sd"), k=3), parse_sweep("k=2,4"), progress=False)
+    swept = run_benchmark(_settings(tiny, modes=("ar",), output_len=4, repeat=1, warmup=0), parse_sweep("input_len=8,12"),
+                          progress=False)  # the random dataset needs --input-len, and its sweep replaces it
+    assert [r["settings"]["input_len"] for r in swept["results"]] == [8, 12]
     with pytest.raises(SpecforkError, match="top_p filters sampling at temperature > 0"):
         run_benchmark(_settings(tiny, modes=("ar",)), parse_sweep("top_p=0.5,1.0"), progress=False)
 

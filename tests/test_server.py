@@ -532,6 +532,7 @@ def test_bench_serve_refuses_an_input_len_its_dataset_would_ignore(capsys):
 
     assert main(["bench-serve", "--input-len", "512", "--no-progress"]) == 2
     assert "--input-len sets the length of --dataset random's prompts" in capsys.readouterr().err
+    assert ServeBenchSettings(dataset="random").input_len == DEFAULT_RANDOM_INPUT_LEN  # recorded with the results
     random_prompts = _requests(ServeBenchSettings(dataset="random", num_prompts=2), vocab_size=100)
     assert [len(body["prompt"]) for body in random_prompts] == [DEFAULT_RANDOM_INPUT_LEN] * 2
     assert len(_requests(ServeBenchSettings(dataset="random", input_len=7, num_prompts=1), 100)[0]["prompt"]) == 7
@@ -546,5 +547,7 @@ def test_an_empty_api_key_is_refused_not_taken_as_none(capsys, monkeypatch):
     monkeypatch.setenv("SPECFORK_API_KEY", "")
     assert main(["serve"]) == 2
     assert "SPECFORK_API_KEY" in capsys.readouterr().err
+    monkeypatch.delenv("SPECFORK_API_KEY")
     assert main(["serve", "--mode", "ssd", "--k", "auto"]) == 2  # the engine's options, before "loading"
-    assert "loading" not in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "k 'auto' is for SD" in err and "loading" not in err

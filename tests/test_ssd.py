@@ -237,6 +237,20 @@ def test_an_idle_engine_notices_a_dead_drafter_and_restarts_it(pair):
         llm.engine.idle()
         assert proposer.failures == 1 and "exited" in llm.health().degraded
         proposer._restart_at = 0.0  # no backoff: restart now
+        from specfork.speculative.ssd import proposer as proposer_module
+
+        real = proposer_module.DrafterProcess
+
+        def no_process(*args, **kwargs):
+            raise OSError(24, "Too many open files")
+
+        proposer_module.DrafterProcess = no_process
+        try:
+            llm.engine.idle()  # a restart that cannot start a process is a failure, not an exception
+        finally:
+            proposer_module.DrafterProcess = real
+        assert proposer.failures == 2 and "could not be restarted" in llm.health().degraded
+        proposer._restart_at = 0.0
         deadline = time.monotonic() + 60
         while proposer.restarts == 0 and time.monotonic() < deadline:
             llm.engine.idle()
@@ -350,12 +364,13 @@ def test_an_ssd_engine_dropped_without_close_gives_the_process_its_cores_back(pa
     before = (os.sched_getaffinity(0), torch.get_num_threads())
     if len(before[0]) < 2:
         pytest.skip("one core: SSD's target and drafter share it, nothing is pinned")
-    llm = LLM(pair["target"], mode="ssd", draft=pair["draft"], k=2)
-    llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=8))
-    assert os.sched_getaffinity(0) != before[0]  # pinned while the drafter runs
-    del llm
-    gc.collect()
-    assert (os.sched_getaffinity(0), torch.get_num_threads()) == before
+    for threads in (None, 1):  # with threads=1 the engine's finalizer and the pinning's both restore threads
+        llm = LLM(pair["target"], mode="ssd", draft=pair["draft"], k=2, threads=threads)
+        llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=8))
+        assert os.sched_getaffinity(0) != before[0]  # pinned while the drafter runs
+        del llm
+        gc.collect()
+        assert (os.sched_getaffinity(0), torch.get_num_threads()) == before, threads
 
 
 def test_target_cores_that_leave_the_drafter_none_are_refused(pair):
@@ -367,6 +382,12 @@ def test_target_cores_that_leave_the_drafter_none_are_refused(pair):
         LLM(pair["target"], mode="ssd", draft=pair["draft"], k=2, target_cores=every)
     with pytest.raises(SpecforkError, match="--draft-cores takes every core available"):
         LLM(pair["target"], mode="ssd", draft=pair["draft"], k=2, draft_cores=every)
+    # a drafter on a GPU takes no core: the target may have them all
+    from specfork.config import Config
+    from specfork.speculative.ssd.cores import split_cores
+
+    config = Config(mode="ssd", target_cores=every, drafter_device="cuda")
+    assert split_cores(config, both_on_cpu=False)[0] == tuple(sorted(os.sched_getaffinity(0)))
 
 
 def test_close_stops_the_drafter_process(pair):

@@ -156,16 +156,18 @@ def test_sequences_in_flight_when_a_head_drafter_dies_are_asked_for_no_drafts_af
         proposer.process.kill()
         while proposer.failures == 0:
             engine.step()
+        seqs.append(engine.add_request(prompts[0], params))  # prefilled while no drafter runs
+        engine.step()
         proposer._restart_at = 0.0  # no backoff: restart now
         deadline = time.monotonic() + 60
         while proposer.drafter is None and time.monotonic() < deadline:
             proposer._restart_if_due()
             time.sleep(0.05)
         assert proposer.restarts == 1
-        proposed = [engine.output(s).metrics["draft_tokens_proposed"] for s in seqs]
+        proposed = [engine.output(s).metrics.get("draft_tokens_proposed", 0) for s in seqs]
         while any(not s.is_finished for s in seqs):
             engine.step()
-        assert [engine.output(s).token_ids for s in seqs] == expected
+        assert [engine.output(s).token_ids for s in seqs] == [*expected, expected[0]]
         assert [engine.output(s).metrics["draft_tokens_proposed"] for s in seqs] == proposed
         fresh = llm.generate([prompts[0]], params)[0]
         assert fresh.token_ids == expected[0] and fresh.metrics["draft_tokens_proposed"] > 0

@@ -28,6 +28,7 @@ QUANTIZE_GROUPS = (32, 64, 128)
 DEFAULT_QUANTIZE_GROUP = 32
 K_MAX = 8  # the most tokens k "auto" may propose in a round
 SSD_DEFAULT_K = 5  # SSD's k when none is given (SD's is "auto")
+SD_ONLY = ("draft_confidence", "ngram_min", "ngram_max", "lookup_first")  # speculative options SSD does not read
 MAX_THREADS = 1024  # --threads beyond this crashes OpenMP (thread creation fails, or a segfault)
 
 
@@ -135,8 +136,8 @@ class Config:
                                      "(default: off)", group=SSD)
     tree_backend: str = option("fast", "tree-decode attention: fast (per-branch block tables, the native paged "
                                "kernel) or sdpa (reference, explicit tree mask)", choices=TREE_BACKENDS, group=SSD)
-    drafter_device: str | None = option(None, "the drafter's device (default: the next GPU when the target is on "
-                                        "CUDA and another GPU exists, else the target's device)",
+    drafter_device: str | None = option(None, "the drafter's device (default: the next GPU, wrapping around, when "
+                                        "the target is on CUDA and another GPU exists, else the target's device)",
                                         group=SSD)
     drafter_rank: int | None = option(None, "run the drafter as this rank of the torch.distributed world instead "
                                       "of a local process: rank --tensor-parallel-size (the one after the "
@@ -278,11 +279,12 @@ class Config:
         if self.ngram_min != 1 and not lookup_alone:
             raise SpecforkError("--ngram-min is the shortest n-gram that --drafter ngram matches (--mode sd); "
                                 + ("SD's lookup before a draft matches --lookup-first N tokens and up"
-                                   if self.mode == "sd" else f"--mode {self.mode} looks no n-gram up"))
+                                   if self.mode == "sd" else "SSD's fast backup looks n-grams up with fixed bounds (1..4)"))
         if self.ngram_max != 4 and not self.prompt_lookup:
             raise SpecforkError("--ngram-max is the longest n-gram that SD's prompt lookup matches (--mode sd with "
-                                f"--drafter ngram or --lookup-first N); this run (--mode {self.mode}"
-                                + (", no lookup first" if self.mode == "sd" else "") + ") looks none up")
+                                "--drafter ngram or --lookup-first N); " + (
+                                    "this run (--mode sd, no lookup first) looks none up" if self.mode == "sd"
+                                    else "SSD's fast backup looks n-grams up with fixed bounds (1..4)"))
         if self.quantize is None and self.quantize_group != DEFAULT_QUANTIZE_GROUP:
             raise SpecforkError("--quantize-group is the group size of --quantize; give --quantize int4 too")
 
@@ -298,7 +300,9 @@ class Config:
     def _refuse_options_of_other_modes(self, stray: list) -> None:
         """``--draft`` without ``--mode sd``, ``--fan-out`` with SD: refused, not silently ignored."""
         if stray:
-            where = "--mode ssd" if all(f.metadata["group"] == SSD for f in stray) else "--mode sd or ssd"
+            groups = {"--mode sd" if f.name in SD_ONLY else "--mode ssd" if f.metadata["group"] == SSD else "--mode sd or ssd"
+                      for f in stray}
+            where = groups.pop() if len(groups) == 1 else "--mode sd or ssd"
             raise SpecforkError(f"{only_for([flag_of(f) for f in stray], where)}; this run is --mode {self.mode}")
 
     def _check_lookup_first(self) -> None:

@@ -265,7 +265,8 @@ def run_benchmark(settings: BenchSettings, sweep: list[dict], progress: bool = T
     for name in dict.fromkeys(name for point in sweep for name in point):
         settings.check_read(name, f"--sweep {name}")
         given = getattr(settings, name, None)
-        if name != "dataset" and given != BenchSettings.__dataclass_fields__[name].default:
+        required = name == "input_len" and "random" in settings.datasets  # the random dataset needs one
+        if name != "dataset" and not required and given != BenchSettings.__dataclass_fields__[name].default:
             raise SpecforkError(f"--sweep {name} would replace --{name.replace('_', '-')} {given}: give its values "
                                 "in the sweep only")
     # Each point's settings, validated before anything runs (a point's dataset is its only one).

@@ -53,6 +53,8 @@ class ServeBenchSettings:
         if self.input_len is not None and self.dataset != "random":
             raise SpecforkError(f"--input-len sets the length of --dataset random's prompts; {self.dataset}'s prompts "
                                 "keep their own lengths: leave --input-len out, or use --dataset random")
+        if self.input_len is None and self.dataset == "random":  # recorded with the results as it ran
+            object.__setattr__(self, "input_len", DEFAULT_RANDOM_INPUT_LEN)
         for name in ("num_prompts", "input_len", "output_len"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise SpecforkError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -83,8 +85,7 @@ def _requests(settings: ServeBenchSettings, vocab_size: int) -> list[dict]:
               "stream_options": {"include_usage": True}}
     if settings.dataset == "random":
         rng = random.Random(settings.seed)
-        return [{"prompt": [rng.randrange(vocab_size) for _ in range(settings.input_len or DEFAULT_RANDOM_INPUT_LEN)],
-                 **common}
+        return [{"prompt": [rng.randrange(vocab_size) for _ in range(settings.input_len)], **common}
                 for _ in range(settings.num_prompts)]
     from specfork.datasets import load_prompts
 

@@ -58,7 +58,11 @@ class LLMEngine:
         self.device = torch.device(config.device)
         dtype = _DTYPES[config.torch_dtype_name]
         num_blocks = config.num_kv_blocks or -(-config.kv_cache_tokens // config.block_size)
-        self.world = _start_world(config, num_blocks, extra_roles)
+        try:
+            self.world = _start_world(config, num_blocks, extra_roles)
+        except BaseException:
+            torch.set_num_threads(threads_before)
+            raise
         # The process's torch threads come back when the engine closes, or is dropped without
         # closing, unless someone set them since (another engine).
         self._restore_threads = weakref.finalize(self, _restore_threads, threads_before, torch.get_num_threads())
@@ -363,7 +367,7 @@ def _start_world(config: Config, num_blocks: int, extra_roles: tuple):
         TensorShard(0, config.tensor_parallel_size, reduce=None).heads(read_arch(config.model))
     cores = len(os.sched_getaffinity(0))
     threads = config.threads or max(1, cores // config.tensor_parallel_size)
-    if config.distributed_launch == "local" and threads * config.tensor_parallel_size > cores:
+    if config.threads is not None and config.distributed_launch == "local" and threads * config.tensor_parallel_size > cores:
         logger.warning("%d ranks of %d threads each on %d cores: their threads wait on one another (measured: "
                        "5x slower than the default, cores / ranks threads each); leave --threads out",
                        config.tensor_parallel_size, threads, cores)

@@ -255,7 +255,10 @@ class EngineLoop:
             if self._cut_at is not None and time.monotonic() >= self._cut_at:
                 self._cut_all()
             if not engine.has_unfinished():
-                engine.idle()
+                try:
+                    engine.idle()
+                except Exception:  # housekeeping: never worth the server (the next request retries it)
+                    logger.exception("looking after the engine's helpers between requests failed")
             else:
                 updates = engine.step()
                 self.snapshot.steps += 1

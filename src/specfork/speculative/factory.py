@@ -110,20 +110,21 @@ def build_ssd_step(engine: LLMEngine, drafter=None) -> SpeculativeStep:
         from specfork.speculative.ssd.transport import DrafterRank
 
         drafter = DrafterRank(engine.world, config.drafter_rank)
-    local = config.distributed_launch == "local"  # under torchrun the drafter may be on another host
-    target_cores, drafter_cores = split_cores(config) if local else (None, None)
-    if engine.device.type == "cpu":
-        warning = core_sharing_warning(target_cores, len(os.sched_getaffinity(0)))
-        if warning:
-            logger.warning(warning)
     drafter_device = config.drafter_device
     if drafter_device is None and config.drafter_rank is not None and engine.device.type == "cuda":
         drafter_device = engine.world.plan.device_of(config.drafter_rank)  # the GPU after the shards'
     if drafter_device is None:
         if engine.device.type == "cuda" and torch.cuda.device_count() > 1:
-            drafter_device = f"cuda:{(engine.device.index or 0) + 1}"
+            drafter_device = f"cuda:{((engine.device.index or 0) + 1) % torch.cuda.device_count()}"
         else:
             drafter_device = str(engine.device)
+    local = config.distributed_launch == "local"  # under torchrun the drafter may be on another host
+    both_on_cpu = engine.device.type == "cpu" and drafter_device == "cpu"
+    target_cores, drafter_cores = split_cores(config, both_on_cpu) if local else (None, None)
+    if engine.device.type == "cpu":
+        warning = core_sharing_warning(target_cores, len(os.sched_getaffinity(0)))
+        if warning:
+            logger.warning(warning)
     launch = DrafterLaunch(
         draft=spec,
         settings=_drafter_settings(engine),

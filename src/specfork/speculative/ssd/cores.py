@@ -13,9 +13,11 @@ from specfork.config import Config, parse_cores
 from specfork.errors import SpecforkError
 
 
-def split_cores(config: Config) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
+def split_cores(config: Config, both_on_cpu: bool = True) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
     """Disjoint core sets for the target and the drafter: as configured, else the available
-    cores split in halves (None, None on a machine with a single core: they share it)."""
+    cores split in halves (None, None on a machine with a single core: they share it). Where
+    both run on the CPU, a side given every core leaves the other none: refused. (Where one runs
+    on a GPU, the other may take every core.)"""
     available = tuple(sorted(os.sched_getaffinity(0)))
     target = parse_cores(config.target_cores, "target_cores") if config.target_cores else None
     drafter = parse_cores(config.draft_cores, "draft_cores") if config.draft_cores else None
@@ -32,10 +34,10 @@ def split_cores(config: Config) -> tuple[tuple[int, ...] | None, tuple[int, ...]
     if drafter is None:
         drafter = tuple(c for c in available if c not in target)
     for name, other, cores in (("target_cores", "draft_cores", target), ("draft_cores", "target_cores", drafter)):
-        if not cores:  # both processes on the same cores, their threads spinning on each other's
+        if not cores and both_on_cpu:  # both processes on the same cores, their threads spinning on each other's
             raise SpecforkError(f"--{other.replace('_', '-')} takes every core available ({list(available)}), "
                                 f"leaving none for --{name.replace('_', '-')}: give each its own")
-    return target, drafter
+    return target or available, drafter or available
 
 
 def core_sharing_warning(target: tuple[int, ...] | None, available: int) -> str | None:
@@ -67,7 +69,7 @@ class TargetPinning:
         self._previous = (tuple(os.sched_getaffinity(0)), torch.get_num_threads())
         self._pinned = [False]
         # An engine dropped without close() still gives the process its cores and threads back.
-        weakref.finalize(self, _unpin_if_pinned, self._pinned, self._previous)
+        weakref.finalize(self, _unpin_if_pinned, self._pinned, self._previous, self.threads)
 
     def __call__(self, on: bool) -> None:
         if self.cores is None:
@@ -79,6 +81,10 @@ class TargetPinning:
         self._pinned[0] = on
 
 
-def _unpin_if_pinned(pinned: list[bool], previous: tuple) -> None:
+def _unpin_if_pinned(pinned: list[bool], previous: tuple, pinned_threads: int | None) -> None:
+    """The cores back; the threads too unless someone set them since (the engine's own finalizer
+    may have restored them first)."""
     if pinned[0]:
-        pin_process(*previous)
+        os.sched_setaffinity(0, previous[0])
+        if torch.get_num_threads() == pinned_threads:
+            torch.set_num_threads(previous[1])

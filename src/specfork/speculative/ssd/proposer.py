@@ -137,6 +137,8 @@ class SSDProposer:
     def observe_features(self, seq: Sequence, first_position: int, features: torch.Tensor) -> None:
         if self.drafter is not None:  # the first position of a run is kept; later rows follow it
             self._features.setdefault(seq.seq_id, (first_position, []))[1].append(features)
+        elif self.feature_layers:  # features no drafter will see: the next one cannot draft for it
+            self._orphans.add(seq.seq_id)
         if self.fallback is not None:
             self.fallback.observe_features(seq, first_position, features)
 
@@ -179,7 +181,10 @@ class SSDProposer:
         if process is not None and process.poll() is not None:
             self._fail(f"the drafter process exited (code {process.returncode})")
         if self.drafter is None:
-            self._restart_if_due()
+            try:
+                self._restart_if_due()
+            except OSError as e:  # no process could start (limits, a changed cpuset): try again later
+                self._fail(f"the drafter process could not be restarted ({type(e).__name__}: {e})")
 
     def health(self) -> StepHealth:
         degraded = None
@@ -235,9 +240,10 @@ class SSDProposer:
         self._sent.clear()
         self._accepted.clear()
         self._released.clear()
-        self._features.clear()
-        if self.feature_layers:  # the sequences in flight get no more drafts from a head
+        if self.feature_layers:  # the sequences in flight (or waiting with features) get no more drafts
             self._orphans.update(self._live)
+            self._orphans.update(self._features)
+        self._features.clear()
         self._pin(False)  # the drafter's cores are free meanwhile
         if not self._restartable:
             self._restart_at = None
