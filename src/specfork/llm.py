@@ -155,8 +155,9 @@ class LLM:
         self.last_output = engine.output(seq)
 
     def _run(self, prompt_ids: list[list[int]], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        """(``generate`` and ``chat`` refused a closed LLM before encoding.)"""
         params = _as_params_list(sampling_params, len(prompt_ids))
-        engine = self._open_engine()
+        engine = self.engine
         for ids, p in zip(prompt_ids, params, strict=True):  # refuse the batch before queueing any of it
             engine.check_prompt_ids(ids)
             engine.check_length(len(ids), p.max_tokens)
