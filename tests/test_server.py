@@ -168,9 +168,37 @@ BAD_REQUESTS = [
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "n": 129}), "n: Input should be less"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "stream": "yes"}), "stream"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "logprobs": 21}), "logprobs"),
-    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "best_of": 3}), "'best_of' is not supported"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "best_of": 3}), "'best_of' other than n"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "best_of": 1, "n": 2}), "'best_of' other than n"),
     ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                                         "top_logprobs": 2}), "top_logprobs needs logprobs"),
+                                         "top_logprobs": 2}), "top_logprobs: needs logprobs: true"),
+    # fields that were accepted and ignored: vLLM's sampling extensions, tools, unknown names
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "min_p": 0.5}), "'min_p' is not supported"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "repetition_penalty": 2.0}),
+     "'repetition_penalty' is not supported"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "use_beam_search": 0}),
+     "'use_beam_search' is not supported"),  # 0 is not False
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "guided_choice": ["a", "b"]}),
+     "'guided_choice' is not supported"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "max_completion_tokens": 3}),
+     "'max_completion_tokens' is not a parameter of this endpoint (it spells this 'max_tokens')"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "temprature": 0}),
+     "'temprature' is not a parameter of this endpoint"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                         "tool_choice": "required"}), "'tool_choice' is not supported"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                         "echo": True}), "'echo' is not supported"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "x"}}]}]}),
+     "content parts of type 'image_url' are not supported"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]},
+        {"role": "tool", "content": "4", "tool_call_id": "1"}]}), "tool calls and tool results are not supported"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x", "mood": 1}]}),
+     "messages.0.mood: unknown field"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                         "continue_final_message": True}),
+     "continue_final_message: needs add_generation_prompt: false"),
     # the seed overflow that used to kill the engine loop (500, then 503 for everyone)
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 4, "seed": 2**64}), "seed"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 4, "seed": -(2**63) - 1}), "seed"),
@@ -193,7 +221,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}), "role"),
     ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": "hello"}), "messages"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}),
-     "stream_options is only allowed with stream: true"),
+     "stream_options: only allowed with stream: true"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": None}), "prompt"),  # a required field stays required
 ]
 
@@ -217,7 +245,12 @@ def test_bad_input_is_a_400_naming_the_problem(server, path, body, message):
      "max_completion_tokens"),
     ("/v1/completions", {"prompt": "word " * 1100}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
-], ids=["completions-max_tokens", "chat-max_tokens", "chat-max_completion_tokens", "prompt", "top_p"])
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/completions", {"prompt": "hi", "frequency_penalty": 1.0}, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "hi", "temprature": 0}, "temprature"),
+], ids=["completions-max_tokens", "chat-max_tokens", "chat-max_completion_tokens", "prompt", "top_p",
+        "stream_options", "top_logprobs", "unsupported", "unknown"])
 def test_a_refused_request_names_its_parameter_as_the_request_did(server, path, body, param):
     """The engine's own rules (prompt plus max_tokens within the context) are checked when it
     admits the request; the error body's param names the field the request used."""
@@ -255,6 +288,49 @@ def test_optional_fields_sent_as_null_take_their_defaults(server):
             "top_logprobs": None, "max_completion_tokens": None, "temperature": None, "n": None}
     status, reply = server.post("/v1/chat/completions", json.dumps(chat))
     assert status == 200 and reply["choices"][0]["logprobs"] is None, reply
+
+
+def test_vllm_extensions_the_engine_has_are_honoured_and_neutral_values_accepted(server, offline):
+    """stop_token_ids ends a choice at that token, top_k -1 means off (vLLM's spelling), and the
+    neutral values of fields specfork does not implement, or the caller's bookkeeping, change nothing."""
+    client = server.client()
+    prompt, greedy = "The capital of France is", {"max_tokens": 12, "temperature": 0}
+    plain = offline.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12))[0]
+    stop_at = plain.token_ids[3]
+    got = client.completions.create(model=MODEL, prompt=prompt, **greedy,
+                                    extra_body={"stop_token_ids": [stop_at], "return_token_ids": True})
+    ids = got.choices[0].model_extra["token_ids"]
+    assert ids == plain.token_ids[: plain.token_ids.index(stop_at) + 1], (ids, plain.token_ids)
+    assert got.choices[0].finish_reason == "stop"
+    neutral = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1, "presence_penalty": 0, "logit_bias": {},
+               "skip_special_tokens": True, "include_stop_str_in_output": False, "best_of": 1, "user": "u1",
+               "metadata": {"a": "b"}, "store": False, "service_tier": "auto", "guided_json": None}
+    got = client.completions.create(model=MODEL, prompt=prompt, **greedy, extra_body=neutral)
+    assert got.choices[0].text == plain.text
+
+
+def test_chat_template_options_and_replies_sent_back_as_the_client_returned_them(server, offline):
+    """add_generation_prompt and continue_final_message render the conversation as transformers
+    does (the prompt's token count shows which); an assistant message the openai client returned,
+    sent back as its model_dump (with refusal, tool_calls, audio ... as null), is history."""
+    tokenizer = offline.tokenizer
+    client = server.client()
+    first = [{"role": "user", "content": "Say hello."}]
+    reply = client.chat.completions.create(model=MODEL, messages=first, max_tokens=6, temperature=0)
+    history = [*first, reply.choices[0].message.model_dump(), {"role": "user", "content": "Again.", "name": "ann"}]
+    again = client.chat.completions.create(model=MODEL, messages=history, max_tokens=6, temperature=0)
+    assert again.usage.prompt_tokens == len(tokenizer.apply_chat_template(
+        [*first, {"role": "assistant", "content": reply.choices[0].message.content}, history[-1]]))
+    opened = [*first, {"role": "assistant", "content": "Hello! I am"}]
+    for options, kwargs in [({"add_generation_prompt": False}, {"add_generation_prompt": False}),
+                            ({"add_generation_prompt": False, "continue_final_message": True},
+                             {"add_generation_prompt": False, "continue_final_message": True})]:
+        got = client.chat.completions.create(model=MODEL, messages=opened, max_tokens=4, temperature=0,
+                                             extra_body=options)
+        assert got.usage.prompt_tokens == len(tokenizer.apply_chat_template(opened, **kwargs)), options
+    default = client.chat.completions.create(model=MODEL, messages=opened, max_tokens=4, temperature=0)
+    assert default.usage.prompt_tokens == len(tokenizer.apply_chat_template(opened))
+    assert len({default.usage.prompt_tokens, got.usage.prompt_tokens}) == 2
 
 
 def test_model_card_and_openai_error_bodies_for_unknown_routes(server):

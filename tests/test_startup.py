@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from specfork import LLM
+from specfork import LLM, PromptError
 from specfork.datasets import load_prompts
 from specfork.loading import gguf_file, resolve_checkpoint
 from specfork.loading.gguf_file import GGUFFile
@@ -103,9 +103,24 @@ def test_embedded_tokenizer_equals_transformers(embedded):
         messages = list(p.messages)
         expected = ref.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
         assert ours.apply_chat_template(messages) == list(expected)
+        closed = ref.apply_chat_template(messages, tokenize=True, add_generation_prompt=False, return_dict=False)
+        assert ours.apply_chat_template(messages, add_generation_prompt=False) == list(closed)
+        opened = [*messages, {"role": "assistant", "content": "  Sure, here is "}]
+        expected = ref.apply_chat_template(opened, tokenize=True, add_generation_prompt=False,
+                                           continue_final_message=True, return_dict=False)
+        assert ours.apply_chat_template(opened, add_generation_prompt=False, continue_final_message=True) == list(expected)
     assert (ours.eos_token_id, ours.pad_token_id) == (ref.eos_token_id, ref.pad_token_id)
     assert ours.vocab == ref.get_vocab()
 
+
+
+def test_continuing_the_last_message_does_not_also_open_a_new_turn(embedded):
+    tokenizer = load_gguf_tokenizer(GGUFFile(embedded))
+    opened = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    with pytest.raises(PromptError, match="add_generation_prompt"):
+        tokenizer.apply_chat_template(opened, continue_final_message=True)
+    ids = tokenizer.apply_chat_template(opened, add_generation_prompt=False, continue_final_message=True)
+    assert tokenizer.decode(ids, skip_special_tokens=False).endswith("assistant\nHello")
 
 def _write_vocab_gguf(path, tokens: list[str], types: list[int], merges: list[str], *, arch: str, pre: str,
                       bos: int, eos: int, add_bos: bool) -> None:

@@ -104,9 +104,13 @@ class LLM:
         """Token ids of ``prompt`` (text, tokenized as the tokenizer says, or ids, checked)."""
         return self.engine.encode_prompt(prompt)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Token ids of a conversation rendered with the model's chat template."""
-        return self.engine.encode_chat(messages)
+    def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template: with the assistant's
+        turn opened (``add_generation_prompt``), or with the last message left open so that the reply
+        continues it (``continue_final_message``; then ``add_generation_prompt=False``)."""
+        return self.engine.encode_chat(messages, add_generation_prompt=add_generation_prompt,
+                                       continue_final_message=continue_final_message)
 
     def generate(
         self,
@@ -127,14 +131,18 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
-        """Generate a reply for each conversation (a list of {role, content} messages)."""
+        """Generate a reply for each conversation (a list of {role, content} messages); the last two
+        options are ``encode_chat``'s."""
         if isinstance(conversations, list) and conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         if not conversations:
             raise PromptError("no conversations given")
         self._open_engine()
-        return self._run([self.encode_chat(c) for c in conversations], sampling_params, use_tqdm)
+        template = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
+        return self._run([self.encode_chat(c, **template) for c in conversations], sampling_params, use_tqdm)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Generate for one prompt (text or token ids, as ``generate`` takes it), yielding text as

@@ -137,22 +137,33 @@ class Tokenizer:
             return bytes(symbols[c] for c in raw)
         return text.encode("utf-8")
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                            continue_final_message: bool = False) -> list[int]:
+        """The conversation rendered by the model's template and tokenized. ``add_generation_prompt``
+        opens the assistant's turn; ``continue_final_message`` leaves the last message open instead
+        (its end-of-turn markup cut off), so that generation continues its text, as transformers
+        and vLLM do."""
         if not self.has_chat_template():
             raise PromptError("this model has no chat template; pass raw prompts instead")
         check_messages(messages)
+        if add_generation_prompt and continue_final_message:
+            raise PromptError("continue_final_message continues the last message, so it cannot be combined "
+                              "with add_generation_prompt (set that to false)")
         import jinja2
 
         try:
             if self._via_transformers:
-                text = self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                text = self._hf.apply_chat_template(messages, tokenize=False,
+                                                    add_generation_prompt=add_generation_prompt)
             else:
                 # As transformers does: tokens that are not set are left out (a template tests them).
                 special = {k: v for k, v in self.special_tokens.items() if v is not None}
                 text = self._template.render(messages=messages, tools=None, documents=None,
-                                             add_generation_prompt=True, **special)
+                                             add_generation_prompt=add_generation_prompt, **special)
         except jinja2.TemplateError as e:  # the template refuses this conversation (e.g. roles out of order)
             raise PromptError(f"the chat template refused these messages: {e}") from None
+        if continue_final_message:
+            text = _open_final_message(text, messages[-1]["content"])
         # The template already writes every special token it wants.
         if self._via_transformers:
             return list(self._hf(text, add_special_tokens=False)["input_ids"])
@@ -202,6 +213,18 @@ def compile_chat_template(source: str):
         return env.from_string(source)
     except jinja2.exceptions.TemplateSyntaxError as e:
         raise ModelLoadError(f"the model's chat template does not compile: {e}") from None
+
+
+def _open_final_message(text: str, final: str) -> str:
+    """The rendered conversation cut right after the last message's content (what follows it is
+    the template's end-of-turn markup). Templates may strip the content, so the stripped text is
+    looked for too."""
+    for content in (final, final.strip()):
+        end = text.rfind(content)
+        if content and end >= 0:
+            return text[: end + len(content)]
+    raise PromptError("continue_final_message: the chat template does not write the last message's content "
+                      "verbatim, so there is no place to continue it from")
 
 
 def check_messages(messages: object) -> None:

@@ -67,7 +67,9 @@ def prepare_chat(raw: bytes, engine: LLMEngine, served_model_name: str) -> Job:
     body = parse_request(ChatCompletionRequest, decode_json(raw))
     _check_model(body.model, served_model_name)
     try:
-        prompt_ids = engine.encode_chat([m.as_template_message() for m in body.messages])
+        prompt_ids = engine.encode_chat([m.as_template_message() for m in body.messages],
+                                        add_generation_prompt=body.add_generation_prompt,
+                                        continue_final_message=body.continue_final_message)
     except SpecforkError as e:
         raise ApiError(400, str(e), param="messages") from None
     max_tokens = body.token_limit
@@ -89,7 +91,8 @@ def _sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens
     try:
         first = SamplingParams(
             temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, max_tokens=max_tokens,
-            seed=body.seed, stop=body.stops, ignore_eos=body.ignore_eos, logprobs=logprobs,
+            seed=body.seed, stop=body.stops, stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
     except SpecforkError as e:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import (
     AfterValidator,
@@ -10,6 +10,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -53,18 +54,45 @@ def _valid_unicode(text: str) -> str:
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]
 
-# Fields of the OpenAI API that specfork does not implement: accepted at their neutral value,
-# refused with a clear message otherwise (silently ignoring them would change what users get).
-_NEUTRAL = {
-    "best_of": (None, 1),
-    "suffix": (None, ""),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
-    "tools": (None, []),
-    "functions": (None, []),
-    "response_format": (None, {"type": "text"}),
+# Fields of the OpenAI API, and vLLM's extensions, that specfork does not implement: accepted
+# when absent, null or at their neutral value, refused with a 400 naming them otherwise (silently
+# ignoring them would change what users get). A field named in neither table nor declared on the
+# request is refused as unknown, as OpenAI's API does.
+_NEUTRAL: dict[str, tuple] = {
+    "suffix": ("",),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "repetition_penalty": (1,),
+    "length_penalty": (1,),
+    "min_p": (0,),
+    "min_tokens": (0,),
+    "logit_bias": ({},),
+    "bad_words": ([],),
+    "use_beam_search": (False,),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "tools": ([],),
+    "functions": ([],),
+    "tool_choice": ("none", "auto"),  # with no tools, "auto" calls none
+    "function_call": ("none", "auto"),
+    "response_format": ({"type": "text"},),
+    "modalities": (["text"],),
+    "chat_template_kwargs": ({},),
+    "echo": (False,),  # chat's (vLLM); completions' is declared
+    # no neutral value but null
+    "allowed_token_ids": (), "truncate_prompt_tokens": (), "prompt_logprobs": (), "guided_json": (),
+    "guided_regex": (), "guided_choice": (), "guided_grammar": (), "guided_decoding_backend": (),
+    "structured_outputs": (), "chat_template": (), "audio": (), "prediction": (), "reasoning_effort": (),
+    "documents": (),
 }
+# Fields that change nothing the model computes (the caller's bookkeeping): accepted and ignored.
+_BOOKKEEPING = frozenset({"metadata", "store", "service_tier", "parallel_tool_calls", "request_id", "priority"})
+
+
+def _is_neutral(value: object, neutral: tuple) -> bool:
+    """``value`` equals one of the neutral values, a bool only a bool (``False == 0`` in Python)."""
+    return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral)
 
 
 class GenerationRequest(BaseModel):
@@ -74,15 +102,18 @@ class GenerationRequest(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, description="keep the k most likely tokens (extension; 0 = off)")
+    top_k: int = Field(0, ge=-1, description="keep the k most likely tokens (extension; 0 or -1 = off)")
     seed: int | None = None
     stop: Text | list[Text] | None = None
+    stop_token_ids: list[int] | None = Field(None, description="token ids that end a choice (extension, as in vLLM)")
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="keep generating after EOS (extension, as in vLLM)")
     user: str | None = None
     return_token_ids: bool = Field(False, description="add the generated token ids to each choice (extension)")
+
+    OTHER_SPELLINGS: ClassVar[dict[str, str]] = {}  # another endpoint's field -> this one's
 
     @model_validator(mode="before")
     @classmethod
@@ -103,17 +134,33 @@ class GenerationRequest(BaseModel):
             raise ValueError("stop must be up to 4 non-empty strings")
         return stop
 
-    @model_validator(mode="after")
-    def _supported(self):
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed with stream: true")
-        for name, neutral in _NEUTRAL.items():
-            value = (self.model_extra or {}).get(name)
-            if name == "best_of" and value == self.n:
+    @field_validator("top_k")
+    @classmethod
+    def _minus_one_is_off(cls, top_k: int) -> int:
+        return 0 if top_k == -1 else top_k  # vLLM's spelling of "off"
+
+    @field_validator("stream_options")
+    @classmethod
+    def _options_need_a_stream(cls, options: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if options is not None and not info.data.get("stream"):
+            raise ValueError("only allowed with stream: true")
+        return options
+
+    def refuse_unsupported(self) -> None:
+        """A 400 naming the first field sent that this server would otherwise ignore."""
+        for name, value in (self.model_extra or {}).items():
+            if name in _BOOKKEEPING or value is None:
                 continue
-            if value not in neutral:
-                raise ValueError(f"'{name}' is not supported by this server")
-        return self
+            if name == "best_of":
+                if value != self.n:
+                    raise ApiError(400, "'best_of' other than n is not supported by this server", param=name)
+            elif name in _NEUTRAL:
+                if not _is_neutral(value, _NEUTRAL[name]):
+                    raise ApiError(400, f"'{name}' is not supported by this server", param=name)
+            else:
+                spelled = self.OTHER_SPELLINGS.get(name)
+                hint = f" (it spells this '{spelled}')" if spelled else ""
+                raise ApiError(400, f"'{name}' is not a parameter of this endpoint{hint}", param=name)
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -125,6 +172,7 @@ class GenerationRequest(BaseModel):
 
 
 class CompletionRequest(GenerationRequest):
+    OTHER_SPELLINGS: ClassVar[dict[str, str]] = {"max_completion_tokens": "max_tokens", "top_logprobs": "logprobs"}
     prompt: Text | list[int] | list[Text]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
@@ -152,14 +200,43 @@ class TextPart(BaseModel):
     text: Text
 
 
+# A message's fields for tool calling: refused when set (no tool calls here), dropped when empty.
+_TOOL_FIELDS = ("tool_calls", "function_call", "tool_call_id")
+# Fields an assistant message returned by the API carries (clients send it back as it came): dropped.
+_REPLY_FIELDS = ("refusal", "annotations")
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant"]
     content: Text | list[TextPart]
+    name: Text | None = None  # given to the chat template, which may use it
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, message: object) -> object:
+        if not isinstance(message, dict):
+            return message
+        if message.get("role") in ("tool", "function") or any(message.get(k) for k in _TOOL_FIELDS):
+            raise ValueError("tool calls and tool results are not supported by this server")
+        if message.get("audio") is not None:
+            raise ValueError("audio is not supported: this model reads text only")
+        dropped = (*_TOOL_FIELDS, *_REPLY_FIELDS, "audio")
+        return {k: v for k, v in message.items() if k not in dropped and not (k == "name" and v is None)}
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: object) -> object:
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(f"content parts of type {kind!r} are not supported: this model reads text only")
+        return content
 
     def as_template_message(self) -> dict:
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        message = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        return message if self.name is None else {**message, "name": self.name}
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -167,12 +244,23 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = Field(True, description="open the assistant's turn (extension, as in vLLM)")
+    continue_final_message: bool = Field(
+        False, description="leave the last message open and continue it (extension, as in vLLM)")
 
-    @model_validator(mode="after")
-    def _top_needs_logprobs(self):
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
-        return self
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true")
+        return top
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _one_template_mode(cls, continue_final: bool, info: ValidationInfo) -> bool:
+        if continue_final and info.data.get("add_generation_prompt", True):
+            raise ValueError("needs add_generation_prompt: false")
+        return continue_final
 
     @property
     def top_logprobs_wanted(self) -> int | None:
@@ -188,22 +276,26 @@ class ChatCompletionRequest(GenerationRequest):
         return "top_logprobs" if param == "logprobs" else param
 
 
-def parse_request(model: type[BaseModel], body: object) -> BaseModel:
+def parse_request(model: type[GenerationRequest], body: object) -> GenerationRequest:
     """Validate a decoded JSON body; the first problem becomes a 400 naming the field."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     try:
-        return model.model_validate(body)
+        request = model.model_validate(body)
     except ValidationError as e:
         first = e.errors(include_url=False)[0]
         loc = ".".join(str(p) for p in first["loc"] if not str(p).startswith("function-after"))
         message = first["msg"].removeprefix("Value error, ")
         if first["type"] == "missing":
             message = f"'{loc}' is required"
+        elif first["type"] == "extra_forbidden":
+            message = f"{loc}: unknown field"
         elif loc:
             got = f" (got {_short(first['input'])})" if "input" in first else ""
             message = f"{loc}: {message}{got}"
         raise ApiError(400, message, param=loc or None) from None
+    request.refuse_unsupported()
+    return request
 
 
 def _short(value: object, limit: int = 80) -> str:
