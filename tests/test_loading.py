@@ -1,13 +1,19 @@
 """Loading paths not covered elsewhere: Mistral configs, HF directories with tokenizer files and
-a chat template, and explicit attention masks through the paged cache."""
+a chat template, explicit attention masks through the paged cache, and checkpoint settings the model
+does not implement (refused, never run without)."""
 
+import gguf
+import pytest
 import torch
 from builders import randomize_
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-from specfork import LLM, SamplingParams
+from specfork import LLM, ModelLoadError, SamplingParams
 from specfork.engine.sequence import Sequence
+from specfork.loading.gguf import read_gguf_config
+from specfork.loading.gguf_file import GGUFFile
 from specfork.loading.resolve import resolve_checkpoint
+from specfork.models.config import ModelArchConfig
 
 
 def test_mistral_without_window_matches_transformers(tmp_path):
@@ -66,3 +72,88 @@ def test_explicit_mask_equals_causal_default(tiny_checkpoints):
     torch.testing.assert_close(changed[5:], default[5:])
     for s in seqs:
         eng.block_manager.free(s)
+
+
+def _llama_dict(**changes) -> dict:
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256).to_dict()
+    return {**cfg, **changes}
+
+
+@pytest.mark.parametrize("changes, message", [
+    # each of these ran, with the feature left out: logits off by 1-6 against transformers
+    ({"mlp_bias": True}, "mlp_bias is not supported"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor is not supported"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0},
+     "qwen2 models with a sliding window"),
+    ({"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 8}, "sliding window"),
+    # tracebacks before (TypeError, ValueError, ZeroDivisionError)
+    ({"hidden_size": None}, "lacks the field 'hidden_size'"),
+    ({"hidden_size": "sixty-four"}, "hidden_size must be an integer, got 'sixty-four'"),
+    ({"num_attention_heads": 0, "head_dim": None}, "num_attention_heads must be positive"),
+    ({"max_position_embeddings": 0}, "max_position_embeddings must be positive"),
+    ({"rope_scaling": "llama3"}, "rope_scaling must be an object"),
+])
+def test_config_settings_the_model_does_not_implement_are_refused(changes, message):
+    with pytest.raises(ModelLoadError, match=message):
+        ModelArchConfig.from_hf_dict(_llama_dict(**changes))
+
+
+def test_windows_that_never_apply_are_not_refused():
+    qwen = ModelArchConfig.from_hf_dict(_llama_dict(model_type="qwen2", use_sliding_window=True, sliding_window=8,
+                                                    max_window_layers=2))  # from layer 2 on: none of 2
+    mistral = ModelArchConfig.from_hf_dict(_llama_dict(model_type="mistral", sliding_window=256))
+    assert qwen.num_layers == mistral.num_layers == 2
+
+
+def _gguf_metadata(path, **extra):
+    """A llama GGUF's metadata (no tensors): enough for the config reader."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in {"llama.attention.head_count": 4, "llama.embedding_length": 64, "llama.vocab_size": 128,
+                       "llama.feed_forward_length": 128, "llama.block_count": 2, "llama.context_length": 256,
+                       "llama.attention.layer_norm_rms_epsilon": 1e-5, **extra}.items():
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, list):
+            writer.add_array(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_uint32(key, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    return GGUFFile(path)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({}, None),
+    ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}, None),
+    ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}, "rope scaling 'yarn' is not supported"),
+    ({"llama.rope.dimension_count": 8}, "RoPE on 8 of each head's 16 dimensions"),
+    ({"llama.expert_count": 8}, "mixture-of-experts"),
+    ({"llama.attention.head_count_kv": [2, 4]}, "head_count_kv is a list of 2 values"),
+    ({"llama.attention.head_count": 0}, "head_count must be positive"),
+])
+def test_gguf_settings_the_model_does_not_implement_are_refused(tmp_path, extra, message):
+    """A YaRN-scaled GGUF ran with no scaling at all, and per-layer head counts were a TypeError."""
+    reader = _gguf_metadata(tmp_path / "m.gguf", **extra)
+    if message is None:
+        cfg = read_gguf_config(reader, tmp_path / "m.gguf")
+        assert (cfg.head_dim, cfg.num_kv_heads) == (16, 4)
+        return
+    with pytest.raises(ModelLoadError, match=message):
+        read_gguf_config(reader, tmp_path / "m.gguf")
+
+
+def test_paths_that_are_almost_a_checkpoint_say_which_one_to_pass(tmp_path):
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ModelLoadError, match="it holds m.gguf: pass the .gguf file itself"):
+        resolve_checkpoint(str(tmp_path))
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"\x10" * 16)
+    with pytest.raises(ModelLoadError, match="for an HF model pass its directory"):
+        resolve_checkpoint(str(hf / "model.safetensors"))

@@ -49,8 +49,13 @@ def read_gguf_config(reader: GGUFFile, path: Path) -> ModelArchConfig:
         value = reader.get(f"{arch}.{key}")
         if value is None:
             raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.{key}")
-        return value
+        return _scalar(path, f"{arch}.{key}", value)
 
+    def optional(key: str, default):
+        value = reader.get(f"{arch}.{key}")
+        return default if value is None else _scalar(path, f"{arch}.{key}", value)
+
+    _refuse_unsupported_features(reader, arch, path)
     heads = int(need("attention.head_count"))
     hidden = int(need("embedding_length"))
     names = {t.name for t in reader.tensors}
@@ -61,7 +66,7 @@ def read_gguf_config(reader: GGUFFile, path: Path) -> ModelArchConfig:
         raise ModelLoadError(f"{path}: GGUF metadata gives no vocabulary size")
     eos = reader.get("tokenizer.ggml.eos_token_id")
     scaling = None
-    if reader.get(f"{arch}.rope.scaling.type") == "linear":
+    if optional("rope.scaling.type", "none") == "linear":
         scaling = {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
     freq_tensor = reader.tensor("rope_freqs.weight")
     if freq_tensor is not None:
@@ -74,10 +79,10 @@ def read_gguf_config(reader: GGUFFile, path: Path) -> ModelArchConfig:
         intermediate_size=int(need("feed_forward_length")),
         num_layers=int(need("block_count")),
         num_heads=heads,
-        num_kv_heads=int(reader.get(f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(reader.get(f"{arch}.attention.key_length", hidden // heads)),
+        num_kv_heads=int(optional("attention.head_count_kv", heads)),
+        head_dim=int(optional("attention.key_length", hidden // heads)),
         rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(reader.get(f"{arch}.rope.freq_base", 10000.0)),
+        rope_theta=float(optional("rope.freq_base", 10000.0)),
         max_position_embeddings=int(need("context_length")),
         tie_word_embeddings="output.weight" not in names,
         rope_scaling=scaling,
@@ -86,6 +91,39 @@ def read_gguf_config(reader: GGUFFile, path: Path) -> ModelArchConfig:
         bos_token_id=reader.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
     )
+
+
+def _scalar(path: Path, key: str, value):
+    """A metadata value the model reads as one number: per-layer arrays (models whose layers
+    differ) and text are refused by name."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)) or (
+            isinstance(value, str) and not key.endswith(".type")):
+        raise ModelLoadError(f"{path}: GGUF metadata {key} is {_kind(value)}, where specfork reads one number "
+                             "(models whose layers differ are not supported)")
+    if not isinstance(value, str) and not value > 0 and not key.endswith("epsilon"):
+        raise ModelLoadError(f"{path}: GGUF metadata {key} must be positive, got {value!r}")
+    return value
+
+
+def _kind(value) -> str:
+    return f"a list of {len(value)} values" if isinstance(value, (list, tuple)) or hasattr(value, "shape") else repr(value)
+
+
+def _refuse_unsupported_features(reader: GGUFFile, arch: str, path: Path) -> None:
+    """Settings llama.cpp applies that the model does not: refused, never run without them."""
+    scaling = reader.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none", "linear"):
+        raise ModelLoadError(f"{path}: rope scaling {scaling!r} is not supported (supported: linear, and llama3's "
+                             "rope_freqs)")
+    experts = reader.get(f"{arch}.expert_count")
+    if experts:
+        raise ModelLoadError(f"{path}: mixture-of-experts models ({experts} experts) are not supported")
+    rotary, key_length = reader.get(f"{arch}.rope.dimension_count"), reader.get(f"{arch}.attention.key_length")
+    heads, hidden = reader.get(f"{arch}.attention.head_count"), reader.get(f"{arch}.embedding_length")
+    head_dim = key_length if key_length is not None else (
+        hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 else None)
+    if isinstance(rotary, int) and isinstance(head_dim, int) and rotary != head_dim:
+        raise ModelLoadError(f"{path}: RoPE on {rotary} of each head's {head_dim} dimensions is not supported")
 
 
 def hf_name(gguf_name: str) -> str | None:

@@ -97,6 +97,8 @@ class GGUFFile:
             raise ModelLoadError(f"cannot read GGUF file {self.path}: {e}") from None
         try:
             self._parse()
+        except ModelLoadError:
+            raise
         except struct.error:
             raise ModelLoadError(f"malformed GGUF file {self.path}: truncated or corrupt header (a read at "
                                  f"byte {self._pos} of {len(self._map)} runs past the end)") from None
@@ -133,6 +135,7 @@ class GGUFFile:
         buf = memoryview(self._map)
         if bytes(buf[:4]) != GGUF_MAGIC:
             raise ModelLoadError(f"{self.path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+        self._pos = 4
         version, n_tensors, n_fields = struct.unpack_from("<IQQ", buf, 4)
         if version not in (2, 3):
             raise ModelLoadError(f"{self.path}: GGUF version {version} is not supported (2 and 3 are)")

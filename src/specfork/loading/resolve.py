@@ -40,13 +40,17 @@ def resolve_checkpoint(model: str) -> CheckpointLocation:
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ModelLoadError(f"{path} is a directory without config.json; it is not an HF model directory")
+            ggufs = sorted(f.name for f in path.glob("*.gguf"))
+            hint = f" (it holds {', '.join(ggufs[:3])}: pass the .gguf file itself)" if ggufs else ""
+            raise ModelLoadError(f"{path} is a directory without config.json; it is not an HF model directory{hint}")
         return CheckpointLocation(path, CheckpointFormat.HF_DIR)
     if path.is_file():
         with path.open("rb") as f:
             magic = f.read(4)
         if magic != GGUF_MAGIC:
-            raise ModelLoadError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+            hint = (f"; for an HF model pass its directory, {path.parent}"
+                    if (path.parent / "config.json").is_file() else "")
+            raise ModelLoadError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes){hint}")
         return CheckpointLocation(path, CheckpointFormat.GGUF)
     known = ", ".join(sorted(ALIASES))
     raise ModelLoadError(f"model {model!r} is neither a known alias ({known}), an HF model directory, nor a .gguf file"
