@@ -52,6 +52,20 @@ def test_kv_exhaustion_with_seeded_sampling(tiny_dir):
     assert [o.token_ids for o in outs] == expected
 
 
+@pytest.mark.parametrize("budget", [2, 5, 16])
+def test_chunked_prefill_under_kv_pressure_finishes_every_request(tiny_dir, budget):
+    """A prompt prefilled in chunks waits at the head of the queue holding its blocks; sequences
+    preempted meanwhile went in front of it, and once nothing ran, the new head could not get the
+    blocks the partly prefilled one held: "KV cache too small", and the whole batch failed."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    prompts = [[1 + (7 * i) % 90 for i in range(n)] for n in (90, 60, 40, 75, 20)]
+    expected = _alone(LLM(tiny_dir), prompts, greedy)
+    tight = LLM(tiny_dir, block_size=4, num_kv_blocks=32, max_num_batched_tokens=budget)
+    assert [o.token_ids for o in tight.generate(prompts, greedy)] == expected
+    assert tight.engine.scheduler.num_preemptions > 0, "the test must exercise preemption"
+    assert tight.engine.block_manager.num_used_blocks == 0, "blocks leaked"
+
+
 def test_max_num_seqs_and_chunked_prefill(tiny_dir):
     greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     base = LLM(tiny_dir)

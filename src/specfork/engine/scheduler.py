@@ -3,8 +3,8 @@
 A step is either a *prefill* step (waiting sequences compute their uncached tokens, in chunks
 when a prompt exceeds the token budget) or a *decode* step (every running sequence advances).
 When the KV cache runs out during decode, the most recently admitted sequence is preempted:
-its blocks are freed and it waits at the front of the queue to be recomputed later. Nothing is
-dropped and nothing is corrupted.
+its blocks are freed and it waits at the front of the queue (behind a partly prefilled prompt,
+which keeps its blocks) to be recomputed later. Nothing is dropped and nothing is corrupted.
 """
 
 from __future__ import annotations
@@ -118,7 +118,11 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        # First in line, except behind a partly prefilled sequence: that one holds its blocks, and
+        # were it passed over, two waiting sequences could hold blocks that neither can grow into
+        # once nothing runs (the only one ever holding blocks while waiting is the head).
+        head = self.waiting[0] if self.waiting else None
+        self.waiting.insert(1 if head is not None and head.block_table else 0, seq)
 
     def finish(self, seq: Sequence) -> None:
         if seq in self.running:
