@@ -37,6 +37,23 @@ def test_stream_yields_the_final_text(ar_det):
     assert ar_det.generate([ids], params)[0].text == ar_det.last_output.text
 
 
+def test_streams_consumed_in_turn_each_yield_their_whole_text(ar_det):
+    """One stream's step can finish another's sequence; what that one had not yet yielded (its
+    last piece) was then never yielded."""
+    import itertools
+
+    prompts = ["Write a Python function that checks whether a number is prime.", "def factorial(n):"]
+    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)]
+    expected = [ar_det.generate([p], sp)[0].text for p, sp in zip(prompts, params, strict=True)]
+    got = [[], []]
+    for pieces in itertools.zip_longest(*(ar_det.stream(p, sp) for p, sp in zip(prompts, params, strict=True))):
+        for mine, piece in zip(got, pieces, strict=True):
+            mine.append(piece or "")
+    assert ["".join(g) for g in got] == expected
+    assert ar_det.engine.block_manager.num_used_blocks == 0
+
+
 def test_ngram_sd_equals_ar_on_humaneval(ar_det):
     prompts = humaneval_prompts(4)
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)

@@ -153,11 +153,17 @@ class LLM:
         seq = engine.add_request(ids, params)
         text = TextStream(engine, seq)
         try:
-            while not seq.is_finished:
-                _raise_errors(engine.step())
+            while True:
+                # Another stream's step may have finished this sequence: its held-back tail is
+                # still to be shown, once.
+                finished = seq.is_finished
+                if not finished:
+                    _raise_errors(engine.step())
                 piece = text.next_piece()
                 if piece:
                     yield piece
+                if finished:
+                    break
         finally:
             engine.abort(seq)
         self.last_output = engine.output(seq)
