@@ -1,5 +1,6 @@
 """Speculative decoding: greedy output equals AR output, KV rollback, metrics, drafter checks."""
 
+import dataclasses
 import json
 
 import pytest
@@ -257,3 +258,16 @@ def test_verify_greedy():
     assert verify_greedy([5, 6, 7, 8], [5, 6, 7]).tokens == [5, 6, 7, 8]
     assert verify_greedy([4], []).tokens == [4]
     assert verify_greedy([1, 2], [3]).num_accepted == 0
+
+
+def test_tokens_a_stop_drops_from_an_accepted_run_are_not_counted_as_emitted(pair):
+    """The draft is the target, so every round accepts all k = 5 and emits 6; a stop id inside a
+    round dropped the rest of it, which mean_accepted_length still counted."""
+    sd = LLM(pair["target"], mode="sd", draft=pair["target"], k=5)
+    plain = sd.generate([PROMPTS[0]], GREEDY)[0].token_ids
+    cut = next(i for i in range(2, len(plain)) if plain.index(plain[i]) == i and i % 6)
+    out = sd.generate([PROMPTS[0]], dataclasses.replace(GREEDY, stop_token_ids=(plain[cut],)))[0]
+    assert out.token_ids == plain[: cut + 1] and out.finish_reason == "stop"
+    m = out.metrics
+    assert m["mean_accepted_length"] * m["spec_rounds"] == pytest.approx(len(out.token_ids) - 1)  # 1 from prefill
+    assert m["draft_tokens_accepted"] == m["draft_tokens_proposed"]  # what the target verified still counts

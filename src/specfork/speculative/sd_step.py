@@ -32,6 +32,7 @@ class SpecStats:
     draft_time_s: float = 0.0
     target_time_s: float = 0.0
     by_source: dict[str, dict[str, int]] = field(default_factory=dict)  # source -> rounds, proposed, accepted
+    last_round: tuple[int, int] = (0, 0)  # (output tokens before it, tokens it produced)
 
     def record(self, proposed: int, accepted: int, draft_s: float, target_s: float, source: str | None = None) -> None:
         self.rounds += 1
@@ -51,6 +52,14 @@ class SpecStats:
             self.accepted_by_position[pos] += int(pos < accepted)
         self.draft_time_s += draft_s
         self.target_time_s += target_s
+
+    def end(self, num_output_tokens: int) -> None:
+        """The request finished with ``num_output_tokens``: a stop (EOS, a stop string or id) in its
+        last round dropped the tokens after it, which are not emitted. The drafts' acceptance
+        (accepted, by position) still counts what the target verified."""
+        before, produced = self.last_round
+        self.emitted -= max(0, produced - (num_output_tokens - before))
+        self.last_round = (num_output_tokens, 0)
 
     def as_metrics(self) -> dict:
         return {
@@ -97,7 +106,9 @@ class SpeculativeStep:
             seconds = time.perf_counter() - t0
             for seq in seqs:
                 self._accepted[seq.seq_id] = 0
-                _spec_stats(seq).record(0, 0, 0.0, seconds)
+                stats = _spec_stats(seq)
+                stats.record(0, 0, 0.0, seconds)
+                stats.last_round = (seq.num_output_tokens, 1)
             if self.auto_k is not None:
                 self.auto_k.end_round(ks, seconds)
             return out
@@ -118,6 +129,7 @@ class SpeculativeStep:
             self._accepted[seq.seq_id] = result.num_accepted
             stats = _spec_stats(seq)
             stats.record(len(props), result.num_accepted, draft_s, target_s, source)
+            stats.last_round = (seq.num_output_tokens, len(result.tokens))
             if self.auto_k is not None:
                 self.auto_k.observe(len(props), result.num_accepted)
             logprobs = None
@@ -146,6 +158,8 @@ class SpeculativeStep:
             self.proposer.accepted(seq, num_accepted)
 
     def release(self, seq: Sequence) -> None:
+        if seq.finish_reason is not None and _STATS in seq.stats:
+            seq.stats[_STATS].end(seq.num_output_tokens)
         self._accepted.pop(seq.seq_id, None)
         self.proposer.release(seq)
 
@@ -215,11 +229,14 @@ class SpeculativeStep:
         return results, spans
 
 
+_STATS = "spec"  # the key of SpecStats in Sequence.stats
+
+
 def _spec_stats(seq: Sequence) -> SpecStats:
     """The request's speculation counters (created on its first round, not built every round)."""
-    stats = seq.stats.get("spec")
+    stats = seq.stats.get(_STATS)
     if stats is None:
-        stats = seq.stats["spec"] = SpecStats()
+        stats = seq.stats[_STATS] = SpecStats()
     return stats
 
 
