@@ -88,6 +88,20 @@ def test_sd_with_kv_exhaustion_and_preemption(pair, ar_outputs):
     assert sd.engine.step_strategy.proposer.drafts.blocks.num_used_blocks == 0, "draft blocks leaked"
 
 
+def test_seeded_sd_at_a_fixed_k_reproduces_its_output_through_preemption(pair):
+    """A sequence recomputed after preemption sampled its next token in the prefill, the AR way,
+    where a round would have verified drafts: other random numbers, another (equally exact)
+    sample. The recompute now stops before the last token, which the next round computes."""
+    params = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=30, seed=100 + i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    common = {"mode": "sd", "draft": pair["noisy"], "k": 3, "deterministic": True, "block_size": 4}
+    roomy = LLM(pair["target"], **common).generate(PROMPTS, params)
+    tight = LLM(pair["target"], num_kv_blocks=28, **common)
+    outs = tight.generate(PROMPTS, params)
+    assert sum(o.metrics["num_preemptions"] for o in outs) > 0, "the test must exercise preemption"
+    assert [o.token_ids for o in outs] == [o.token_ids for o in roomy]
+
+
 def test_fast_mode_diverges_only_at_near_ties(pair):
     ar = LLM(pair["target"])
     sd = LLM(pair["target"], mode="sd", draft=pair["noisy"], k=5)

@@ -20,6 +20,15 @@ from specfork.engine.sequence import Sequence, SequenceStatus
 logger = logging.getLogger(__name__)
 
 
+def _prefill_end(seq: Sequence) -> int:
+    """Where a waiting sequence's prefill stops: a prompt's last token (which samples the first
+    output token), or, for a sequence recomputed after preemption, the token before its last. Its
+    last token is then computed by the next decode step, as it would have been without the
+    preemption, so that a step that draws random numbers per round (speculative decoding) draws
+    the same ones and a seeded request reproduces its output."""
+    return len(seq) - 1 if seq.num_output_tokens else len(seq)
+
+
 @dataclass(slots=True)
 class ScheduledBatch:
     seqs: list[Sequence]
@@ -68,7 +77,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         while self.waiting and budget > 0 and len(self.running) + len(seqs) < self.max_num_seqs:
             seq = self.waiting[0]
-            chunk = min(seq.num_uncached_tokens, budget)
+            uncached = _prefill_end(seq) - seq.num_cached_tokens
+            chunk = min(uncached, budget)
             # Leave one free block per running sequence so that admitting a prompt does not
             # immediately force the running ones into preemption.
             headroom = len(self.running) + len(seqs)
@@ -81,7 +91,7 @@ class Scheduler:
             seqs.append(seq)
             counts.append(chunk)
             budget -= chunk
-            if chunk < seq.num_uncached_tokens:
+            if chunk < uncached:
                 break  # partially prefilled: it stays first in line and continues next step
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
