@@ -2,6 +2,8 @@
 a chat template, explicit attention masks through the paged cache, and checkpoint settings the model
 does not implement (refused, never run without)."""
 
+import json
+
 import gguf
 import pytest
 import torch
@@ -157,3 +159,17 @@ def test_paths_that_are_almost_a_checkpoint_say_which_one_to_pass(tmp_path):
     (hf / "model.safetensors").write_bytes(b"\x10" * 16)
     with pytest.raises(ModelLoadError, match="for an HF model pass its directory"):
         resolve_checkpoint(str(hf / "model.safetensors"))
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"intermediate_size": 256}, "the MLP weights have 128 units where the config says intermediate_size 256"),
+    ({"num_hidden_layers": 1}, "weights for 2 layers but the config says 1"),
+])
+def test_a_config_that_describes_other_weights_is_refused(tmp_path, changes, message):
+    """Both ran before: with the weights' MLP width, or with the first layers only."""
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**{k: v for k, v in _llama_dict().items() if k != "model_type"})).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **changes}))
+    with pytest.raises(ModelLoadError, match=message):
+        LLM(str(tmp_path))

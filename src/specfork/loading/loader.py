@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
@@ -140,11 +141,15 @@ def _load(model: str, *, device: torch.device, dtype: torch.dtype, max_positions
         raise ModelLoadError(f"{location.path}: tensors do not match the config: {e}") from None
     _check_shapes(net, built, location)
     leftover = [n for n in tensors if not n.endswith("rotary_emb.inv_freq")]
+    _check_no_more_layers(leftover, arch, location)
     if leftover:
         logger.warning("ignored %d unexpected tensors, e.g. %s", len(leftover), leftover[:3])
     net.eval()
     quantized_to_huge_pages(net)
     return LoadedModel(net, arch, tokenizer, location)
+
+
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def _check_shapes(net: LlamaForCausalLM, arch: ModelArchConfig, location: CheckpointLocation) -> None:
@@ -155,6 +160,19 @@ def _check_shapes(net: LlamaForCausalLM, arch: ModelArchConfig, location: Checkp
     expected = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
     if attn.qkv_proj.out_features != expected or attn.qkv_proj.in_features != arch.hidden_size:
         raise ModelLoadError(f"{location.path}: attention weights do not match the config")
+    mlp = net.layers[0].mlp
+    if mlp.gate_up_proj.out_features != 2 * arch.intermediate_size or mlp.down_proj.in_features != arch.intermediate_size:
+        raise ModelLoadError(f"{location.path}: the MLP weights have {mlp.down_proj.in_features} units where the "
+                             f"config says intermediate_size {arch.intermediate_size}")
+
+
+def _check_no_more_layers(leftover: list[str], arch: ModelArchConfig, location: CheckpointLocation) -> None:
+    """Weights of layers past the config's count: the config describes another model (running its
+    first layers only would give wrong numbers)."""
+    extra = {int(m.group(1)) for n in leftover if (m := _LAYER_INDEX.match(n))}
+    if extra:
+        raise ModelLoadError(f"{location.path}: the checkpoint has weights for {max(extra) + 1} layers but the config "
+                             f"says {arch.num_layers} (num_hidden_layers, or block_count in a GGUF)")
 
 
 def packed_weights(model: torch.nn.Module) -> list[torch.Tensor]:
