@@ -173,3 +173,20 @@ def test_a_config_that_describes_other_weights_is_refused(tmp_path, changes, mes
     (tmp_path / "config.json").write_text(json.dumps({**config, **changes}))
     with pytest.raises(ModelLoadError, match=message):
         LLM(str(tmp_path))
+
+
+def test_a_missing_tensor_is_named_as_the_file_spells_it(tmp_path):
+    """The message named the HF spelling with no path, also for a GGUF file."""
+    from safetensors.torch import load_file, save_file
+
+    from specfork.loading.gguf import gguf_name, hf_name
+
+    for name in ("blk.1.ffn_up.weight", "blk.0.attn_q.bias", "token_embd.weight", "output_norm.weight"):
+        assert gguf_name(hf_name(name)) == name
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**{k: v for k, v in _llama_dict().items() if k != "model_type"})).save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=f"{tmp_path} lacks the tensor 'model.layers.1.mlp.up_proj.weight'"):
+        LLM(str(tmp_path))

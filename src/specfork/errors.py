@@ -15,6 +15,14 @@ class ModelLoadError(SpecforkError):
     """A model path, alias or file that cannot be loaded."""
 
 
+class MissingTensorError(ModelLoadError):
+    """A checkpoint lacks a tensor the model needs (``name`` in HF spelling)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"checkpoint is missing the tensor {name!r}")
+        self.name = name
+
+
 class PromptError(SpecforkError):
     """A prompt that cannot be generated from (empty, too long, bad token ids)."""
 

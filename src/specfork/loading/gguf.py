@@ -126,6 +126,18 @@ def _refuse_unsupported_features(reader: GGUFFile, arch: str, path: Path) -> Non
         raise ModelLoadError(f"{path}: RoPE on {rotary} of each head's {head_dim} dimensions is not supported")
 
 
+def gguf_name(name: str) -> str | None:
+    """The GGUF spelling of an HF tensor name (``hf_name`` backwards)."""
+    for gguf, hf in _GLOBAL_NAMES.items():
+        if hf == name:
+            return gguf
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
+    kinds = {hf: gguf for gguf, hf in _LAYER_NAMES.items()}
+    if m is None or m.group(2) not in kinds:
+        return None
+    return f"blk.{m.group(1)}.{kinds[m.group(2)]}.{m.group(3)}"
+
+
 def hf_name(gguf_name: str) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from specfork.errors import ModelLoadError
+from specfork.errors import MissingTensorError, ModelLoadError
 from specfork.layers.quantized import QuantizedLinear
 from specfork.loading.huge_pages import move_to_huge_pages
 from specfork.loading.resolve import CheckpointFormat, CheckpointLocation, resolve_checkpoint
@@ -137,6 +137,12 @@ def _load(model: str, *, device: torch.device, dtype: torch.dtype, max_positions
         built, take, reduce = shard.local_arch(arch), shard.source(take, arch), shard.reduce
     try:
         net = LlamaForCausalLM(built, take, positions, reduce).to(device)
+    except MissingTensorError as e:
+        from specfork.loading.gguf import gguf_name
+
+        spelled = gguf_name(e.name) if location.format is CheckpointFormat.GGUF else e.name
+        raise ModelLoadError(f"{location.path} lacks the tensor {spelled or e.name!r}, which a "
+                             f"{arch.architecture} model of this config needs") from None
     except RuntimeError as e:  # shape mismatches between config and tensors
         raise ModelLoadError(f"{location.path}: tensors do not match the config: {e}") from None
     _check_shapes(net, built, location)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from specfork.errors import ModelLoadError
+from specfork.errors import MissingTensorError, ModelLoadError
 from specfork.layers.activation import silu_and_mul
 from specfork.layers.attention import AttentionMetadata, paged_attention, write_kv
 from specfork.layers.fused_layer import fuse_decoder_layer, fuse_decoder_stack
@@ -165,5 +165,5 @@ class LlamaForCausalLM(nn.Module):
 def need(take: WeightSource, name: str) -> torch.Tensor:
     tensor = take(name)
     if tensor is None:
-        raise ModelLoadError(f"checkpoint is missing the tensor {name!r}")
+        raise MissingTensorError(name)
     return tensor
