@@ -223,6 +223,8 @@ BAD_REQUESTS = [
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}),
      "stream_options: only allowed with stream: true"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": None}), "prompt"),  # a required field stays required
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": ["a", "b"]}), "a batch of 2 prompts"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": [[1, 2], [3]]}), "a batch of 2 prompts"),
 ]
 
 
@@ -307,6 +309,8 @@ def test_vllm_extensions_the_engine_has_are_honoured_and_neutral_values_accepted
                "metadata": {"a": "b"}, "store": False, "service_tier": "auto", "guided_json": None}
     got = client.completions.create(model=MODEL, prompt=prompt, **greedy, extra_body=neutral)
     assert got.choices[0].text == plain.text
+    batch_of_one = client.completions.create(model=MODEL, prompt=[offline.encode(prompt)], **greedy)
+    assert batch_of_one.choices[0].text == plain.text
 
 
 def test_chat_template_options_and_replies_sent_back_as_the_client_returned_them(server, offline):

@@ -181,6 +181,16 @@ class CompletionRequest(GenerationRequest):
     def top_logprobs_wanted(self) -> int | None:
         return self.logprobs
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _not_a_batch(cls, prompt: object) -> object:
+        if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+            raise ValueError(f"a batch of {len(prompt)} prompts: send one prompt per request (batched prompts "
+                             "are not supported)")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+            return prompt[0]  # one prompt of token ids, spelled as a batch of one
+        return prompt
+
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, prompt: str | list[int] | list[str]) -> str | list[int]:
@@ -188,8 +198,6 @@ class CompletionRequest(GenerationRequest):
             if not prompt:
                 raise ValueError("prompt is empty")
             if isinstance(prompt[0], str):
-                if len(prompt) != 1:
-                    raise ValueError("send one prompt per request (batched prompts are not supported)")
                 return prompt[0]
         return prompt
 
