@@ -42,7 +42,7 @@ def expected(tiny_checkpoints):
 
 async def _last_events(loop: EngineLoop, requests: list[tuple[list[int], SamplingParams]], timeout: float = 60):
     """Submit every request, then wait for each one's last event."""
-    groups = [loop.submit(prompt, [params]) for prompt, params in requests]
+    groups = [loop.submit([prompt], [params]) for prompt, params in requests]
 
     async def last(group):
         tokens = []
@@ -115,7 +115,7 @@ def test_steps_that_keep_failing_mean_the_engine_failed(loop, monkeypatch):
     assert loop.state[0] == "failed" and "engine failed" in loop.state[1]
 
     async def submit():
-        loop.submit(PROMPT, [GREEDY])
+        loop.submit([PROMPT], [GREEDY])
 
     with pytest.raises(EngineStopped, match="failed"):
         asyncio.run(submit())
@@ -135,12 +135,12 @@ def test_drain_cuts_what_still_runs_with_abort(loop):
     long = SamplingParams(temperature=0.0, max_tokens=240, ignore_eos=True)
 
     async def run():
-        group = loop.submit(PROMPT, [long])
+        group = loop.submit([PROMPT], [long])
         while not isinstance((await group.events.get())[1], Piece):
             pass
         loop.drain(0.0)
         with pytest.raises(EngineStopped):
-            loop.submit(PROMPT, [GREEDY])
+            loop.submit([PROMPT], [GREEDY])
         while True:
             _, event = await asyncio.wait_for(group.events.get(), 30)
             if isinstance(event, Finished | Failed):

@@ -223,8 +223,8 @@ BAD_REQUESTS = [
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}),
      "stream_options: only allowed with stream: true"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": None}), "prompt"),  # a required field stays required
-    ("/v1/completions", json.dumps({"model": MODEL, "prompt": ["a", "b"]}), "a batch of 2 prompts"),
-    ("/v1/completions", json.dumps({"model": MODEL, "prompt": [[1, 2], [3]]}), "a batch of 2 prompts"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": ["a"] * 65, "n": 2}), "65 prompts x n = 2 makes 130"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": ["hi", "word " * 1100]}), "prompt.1: "),
 ]
 
 
@@ -311,6 +311,27 @@ def test_vllm_extensions_the_engine_has_are_honoured_and_neutral_values_accepted
     assert got.choices[0].text == plain.text
     batch_of_one = client.completions.create(model=MODEL, prompt=[offline.encode(prompt)], **greedy)
     assert batch_of_one.choices[0].text == plain.text
+
+
+def test_a_batch_of_prompts_gets_n_choices_each_numbered_across_prompts(server, offline):
+    """As vLLM (and OpenAI's legacy completions): choice i * n + j is prompt i's sample j; usage
+    counts each prompt once. Texts and token-id lists, streamed or not, with echo."""
+    client = server.client()
+    prompts = PROMPTS[:3]
+    outputs = offline.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8))
+    expected = [o.text for o in outputs]
+    prompt_tokens = sum(len(offline.encode(p)) for p in prompts)
+    for batch in (prompts, [offline.encode(p) for p in prompts]):
+        got = client.completions.create(model=MODEL, prompt=batch, n=2, max_tokens=8, temperature=0, echo=True)
+        assert [c.index for c in got.choices] == list(range(6))
+        assert [c.text for c in got.choices] == [p + e for p, e in zip(prompts, expected, strict=True) for _ in "ab"]
+        assert got.usage.prompt_tokens == prompt_tokens
+        assert got.usage.completion_tokens == 2 * sum(len(o.token_ids) for o in outputs)
+    texts = [""] * 3
+    for chunk in client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, temperature=0, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == expected
 
 
 def test_chat_template_options_and_replies_sent_back_as_the_client_returned_them(server, offline):

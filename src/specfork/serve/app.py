@@ -198,11 +198,13 @@ async def admit(loop: EngineLoop, job: Job) -> RequestGroup:
     """Submit the request and wait until the engine took every choice, so that a request it
     refuses gets its 400 before any stream starts."""
     try:
-        group = loop.submit(job.prompt_ids, job.params)
+        group = loop.submit([job.prompts[job.prompt_of(i)] for i in range(len(job.params))], job.params)
     except QueueFull as e:
         if len(job.params) > loop.max_active:
-            raise ApiError(400, f"n = {len(job.params)} exceeds what this server can run at once "
-                           f"({loop.max_active})", param="n") from None
+            many = f"n = {len(job.params)}" if len(job.prompts) == 1 else \
+                f"{len(job.prompts)} prompts x n = {len(job.params)} choices"
+            raise ApiError(400, f"{many} exceeds what this server can run at once ({loop.max_active})",
+                           param="n") from None
         raise ApiError(503, str(e), kind="server_overloaded", code="queue_full",
                        headers={"Retry-After": RETRY_AFTER_S}) from None
     except EngineStopped as e:
@@ -307,7 +309,7 @@ async def stream(loop: EngineLoop, group: RequestGroup, job: Job, chunks: ChunkM
         opening = chunks.opening(index)
         if opening is not None:
             yield opening
-    echoed = [job.echo_text is None] * n
+    echoed = [job.echo_texts is None] * n
     finished: dict[int, RequestOutput] = {}
     async with aclosing(events(loop, group, metrics)) as incoming:
         async for index, event in incoming:

@@ -85,6 +85,7 @@ class RequestHandle:
     """One sample of a request group (choice ``index``)."""
 
     index: int
+    prompt_ids: list[int]
     params: SamplingParams
     group: RequestGroup
     seq: Sequence | None = None
@@ -95,10 +96,9 @@ class RequestHandle:
 
 @dataclass(eq=False)
 class RequestGroup:
-    """The ``n`` samples of one HTTP request. Their events arrive on one queue as
+    """The samples of one HTTP request (``n`` per prompt). Their events arrive on one queue as
     ``(index, event)`` pairs, in order for each index."""
 
-    prompt_ids: list[int]
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     handles: list[RequestHandle] = field(default_factory=list)
@@ -197,15 +197,16 @@ class EngineLoop:
 
     # ---- requests (event-loop thread) ----------------------------------------------------------
 
-    def submit(self, prompt_ids: list[int], params: list[SamplingParams]) -> RequestGroup:
-        """Queue one request with ``len(params)`` samples; its events arrive on ``group.events``."""
-        group = RequestGroup(prompt_ids, asyncio.get_running_loop())
-        group.handles = [RequestHandle(i, p, group) for i, p in enumerate(params)]
+    def submit(self, prompts: list[list[int]], params: list[SamplingParams]) -> RequestGroup:
+        """Queue one request's samples, sample i of ``prompts[i]`` with ``params[i]``; their events
+        arrive on ``group.events``."""
+        group = RequestGroup(asyncio.get_running_loop())
+        group.handles = [RequestHandle(i, ids, p, group) for i, (ids, p) in enumerate(zip(prompts, params, strict=True))]
         with self._lock:
             if self._closed or self.fault is not None or not self._thread.is_alive():
                 raise EngineStopped("the engine failed; the server takes no requests" if self.fault
                                     else "the server is shutting down")
-            if len(self._active) + len(params) > self.max_active:
+            if len(self._active) + len(group.handles) > self.max_active:
                 raise QueueFull(
                     f"the server is at capacity ({self.max_active} requests: {self.max_active - self.max_queue} "
                     f"running and {self.max_queue} queued); retry later"
@@ -296,7 +297,7 @@ class EngineLoop:
             return
         engine = self.llm.engine
         try:
-            handle.seq = engine.add_request(handle.group.prompt_ids, handle.params)
+            handle.seq = engine.add_request(handle.prompt_ids, handle.params)
             handle.text = TextStream(engine, handle.seq)
         except SpecforkError as e:  # the engine's own rules (e.g. prompt + max_tokens too long)
             self._finish(handle, Failed(400, str(e), e.param))

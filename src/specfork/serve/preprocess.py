@@ -21,16 +21,28 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # as the OpenAI completions API
 
 @dataclass(frozen=True, slots=True)
 class Job:
-    """A validated request: its body, prompt tokens and the sampling settings of each choice."""
+    """A validated request: its body, its prompts' tokens (several for a batch of completion
+    prompts) and the sampling settings of each choice, ``n`` per prompt in prompt order."""
 
     body: CompletionRequest | ChatCompletionRequest
-    prompt_ids: list[int]
+    prompts: list[list[int]]
     params: list[SamplingParams]
-    echo_text: str | None = None  # completions with echo: the prompt's text
+    echo_texts: list[str] | None = None  # completions with echo: each prompt's text
 
     @property
     def chat(self) -> bool:
         return isinstance(self.body, ChatCompletionRequest)
+
+    def prompt_of(self, choice: int) -> int:
+        """The prompt behind choice ``choice`` (choices are numbered across prompts, as vLLM does)."""
+        return choice // self.body.n
+
+    def echo_text(self, choice: int) -> str | None:
+        return None if self.echo_texts is None else self.echo_texts[self.prompt_of(choice)]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(ids) for ids in self.prompts)
 
 
 def decode_json(raw: bytes) -> object:
@@ -45,22 +57,25 @@ def decode_json(raw: bytes) -> object:
 def prepare_completion(raw: bytes, engine: LLMEngine, served_model_name: str) -> Job:
     body = parse_request(CompletionRequest, decode_json(raw))
     _check_model(body.model, served_model_name)
-    try:
-        prompt_ids = engine.encode_prompt(body.prompt)
-    except SpecforkError as e:
-        raise ApiError(400, str(e), param="prompt") from None
-    echo_text = None
-    if body.echo:
-        if isinstance(body.prompt, str):
-            echo_text = body.prompt
-        else:
-            echo_text = engine.tokenizer.decode(prompt_ids) if engine.tokenizer is not None else ""
-    max_tokens = body.max_tokens
-    if max_tokens is None:
-        max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, engine.max_model_len - len(prompt_ids))
-    prompt_logprobs = body.logprobs if body.echo else None
-    params = _sampling_params(body, max_tokens, body.top_logprobs_wanted, prompt_logprobs)
-    return Job(body, prompt_ids, params, echo_text)
+    prompts, params, echo_texts = [], [], [] if body.echo else None
+    for index, prompt in enumerate(body.prompts):
+        where = "prompt" if len(body.prompts) == 1 else f"prompt.{index}"
+        try:
+            ids = engine.encode_prompt(prompt)
+        except SpecforkError as e:
+            raise ApiError(400, str(e) if where == "prompt" else f"{where}: {e}", param=where) from None
+        if echo_texts is not None:
+            if isinstance(prompt, str):
+                echo_texts.append(prompt)
+            else:
+                echo_texts.append(engine.tokenizer.decode(ids) if engine.tokenizer is not None else "")
+        max_tokens = body.max_tokens
+        if max_tokens is None:
+            max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, engine.max_model_len - len(ids))
+        prompt_logprobs = body.logprobs if body.echo else None
+        prompts.append(ids)
+        params += _sampling_params(body, max_tokens, body.top_logprobs_wanted, prompt_logprobs)
+    return Job(body, prompts, params, echo_texts)
 
 
 def prepare_chat(raw: bytes, engine: LLMEngine, served_model_name: str) -> Job:
@@ -75,7 +90,7 @@ def prepare_chat(raw: bytes, engine: LLMEngine, served_model_name: str) -> Job:
     max_tokens = body.token_limit
     if max_tokens is None:  # as OpenAI: up to the end of the context
         max_tokens = engine.max_model_len - len(prompt_ids)
-    return Job(body, prompt_ids, _sampling_params(body, max_tokens, body.top_logprobs_wanted, None))
+    return Job(body, [prompt_ids], _sampling_params(body, max_tokens, body.top_logprobs_wanted, None))
 
 
 def _check_model(name: str, served: str) -> None:

@@ -173,7 +173,7 @@ class GenerationRequest(BaseModel):
 
 class CompletionRequest(GenerationRequest):
     OTHER_SPELLINGS: ClassVar[dict[str, str]] = {"max_completion_tokens": "max_tokens", "top_logprobs": "logprobs"}
-    prompt: Text | list[int] | list[Text]
+    prompt: Text | list[int] | list[Text] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
 
@@ -181,24 +181,23 @@ class CompletionRequest(GenerationRequest):
     def top_logprobs_wanted(self) -> int | None:
         return self.logprobs
 
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _not_a_batch(cls, prompt: object) -> object:
-        if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-            raise ValueError(f"a batch of {len(prompt)} prompts: send one prompt per request (batched prompts "
-                             "are not supported)")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
-            return prompt[0]  # one prompt of token ids, spelled as a batch of one
-        return prompt
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request: one, or a batch (a list of texts or of token-id lists)."""
+        if isinstance(self.prompt, str) or not self.prompt or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt: str | list[int] | list[str]) -> str | list[int]:
+    def _prompts_not_empty(cls, prompt: str | list, info: ValidationInfo) -> str | list:
         if isinstance(prompt, list):
-            if not prompt:
+            if not prompt or any(isinstance(p, list) and not p for p in prompt):
                 raise ValueError("prompt is empty")
-            if isinstance(prompt[0], str):
-                return prompt[0]
+            batch, n = (len(prompt) if not isinstance(prompt[0], int) else 1), info.data.get("n", 1)
+            if batch * n > MAX_CHOICES:
+                raise ValueError(f"{batch} prompts x n = {n} makes {batch * n} choices; at most {MAX_CHOICES} "
+                                 "a request")
         return prompt
 
 

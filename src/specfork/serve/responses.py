@@ -73,7 +73,7 @@ def chat_logprobs(names: TokenNames, entries: Sequence[TokenLogprob]) -> dict:
     return {"content": content, "refusal": None}
 
 
-def output_logprobs(names: TokenNames, job: Job, entries: Sequence[TokenLogprob] | None,
+def output_logprobs(names: TokenNames, job: Job, choice: int, entries: Sequence[TokenLogprob] | None,
                     prompt: Sequence[TokenLogprob] | None = None, cursor: TextCursor | None = None) -> dict | None:
     """The ``logprobs`` of one choice (or of one stream chunk, ``cursor`` going on from the
     choice's earlier chunks); None when not asked for."""
@@ -83,7 +83,8 @@ def output_logprobs(names: TokenNames, job: Job, entries: Sequence[TokenLogprob]
         return chat_logprobs(names, entries)
     pairs = [(e, e.token_id) for e in entries]
     if prompt is not None:
-        pairs = [(None, job.prompt_ids[0])] + [(e, e.token_id) for e in prompt] + pairs
+        first = job.prompts[job.prompt_of(choice)][0]
+        pairs = [(None, first)] + [(e, e.token_id) for e in prompt] + pairs
     return completion_logprobs(names, pairs, cursor or TextCursor())
 
 
@@ -101,13 +102,13 @@ def response_body(job: Job, rid: str, created: int, model: str, outputs: list[Re
         if job.chat:
             choice = {"index": index, "message": {"role": "assistant", "content": output.text}}
         else:
-            choice = {"index": index, "text": (job.echo_text or "") + output.text}
-        prompt = output.prompt_logprobs if job.echo_text is not None else None
-        choice["logprobs"] = output_logprobs(names, job, output.logprobs, prompt)
+            choice = {"index": index, "text": (job.echo_text(index) or "") + output.text}
+        prompt = output.prompt_logprobs if job.echo_texts is not None else None
+        choice["logprobs"] = output_logprobs(names, job, index, output.logprobs, prompt)
         choices.append({**choice, "finish_reason": output.finish_reason, **extra})
     kind = "chat.completion" if job.chat else "text_completion"
     return {"id": rid, "object": kind, "created": created, "model": model, "choices": choices,
-            "usage": usage(len(job.prompt_ids), outputs)}
+            "usage": usage(job.num_prompt_tokens, outputs)}
 
 
 class ChunkMaker:
@@ -129,8 +130,8 @@ class ChunkMaker:
     def echo(self, index: int, prompt_logprobs: Sequence[TokenLogprob] | None) -> dict:
         logprobs = None
         if self.job.body.logprobs is not None:
-            logprobs = output_logprobs(self.names, self.job, [], prompt_logprobs or [], self.cursors[index])
-        return self.choice(index, self.job.echo_text or "", logprobs=logprobs)
+            logprobs = output_logprobs(self.names, self.job, index, [], prompt_logprobs or [], self.cursors[index])
+        return self.choice(index, self.job.echo_text(index) or "", logprobs=logprobs)
 
     def choice(self, index: int, text: str | None, *, finish_reason: str | None = None,
                token_ids: list[int] | None = None, logprobs: dict | None = None, role: str | None = None) -> dict:
@@ -146,8 +147,8 @@ class ChunkMaker:
                                           "finish_reason": finish_reason, **extra}]}
 
     def piece(self, index: int, text: str, token_ids: list[int], logprobs: Sequence[TokenLogprob] | None) -> dict:
-        formatted = output_logprobs(self.names, self.job, logprobs, cursor=self.cursors[index])
+        formatted = output_logprobs(self.names, self.job, index, logprobs, cursor=self.cursors[index])
         return self.choice(index, text, token_ids=token_ids, logprobs=formatted)
 
     def usage(self, outputs: Sequence[RequestOutput]) -> dict:
-        return {**self.head, "choices": [], "usage": usage(len(self.job.prompt_ids), outputs)}
+        return {**self.head, "choices": [], "usage": usage(self.job.num_prompt_tokens, outputs)}
