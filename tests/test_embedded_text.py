@@ -21,6 +21,9 @@ def test_stop_string_cuts_text_and_finishes(ar_det):
     assert stop.finish_reason == "stop"
     assert "5" not in stop.text and free.text.startswith(stop.text)
     assert len(stop.token_ids) < len(free.token_ids)
+    kept = ar_det.chat([{"role": "user", "content": "Count from 1 to 20, separated by commas."}],
+                       SamplingParams(temperature=0.0, max_tokens=60, stop=("5",), include_stop_str_in_output=True))[0]
+    assert kept.text == stop.text + "5" and kept.token_ids == stop.token_ids
 
 
 def test_chat_reply_is_sensible(ar_det):

@@ -293,8 +293,8 @@ def test_optional_fields_sent_as_null_take_their_defaults(server):
 
 
 def test_vllm_extensions_the_engine_has_are_honoured_and_neutral_values_accepted(server, offline):
-    """stop_token_ids ends a choice at that token, top_k -1 means off (vLLM's spelling), and the
-    neutral values of fields specfork does not implement, or the caller's bookkeeping, change nothing."""
+    """stop_token_ids ends a choice at that token, include_stop_str_in_output keeps the stop string,
+    top_k -1 means off (vLLM's spelling), and the neutral values of fields specfork does not implement, or the caller's bookkeeping, change nothing."""
     client = server.client()
     prompt, greedy = "The capital of France is", {"max_tokens": 12, "temperature": 0}
     plain = offline.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12))[0]
@@ -304,8 +304,14 @@ def test_vllm_extensions_the_engine_has_are_honoured_and_neutral_values_accepted
     ids = got.choices[0].model_extra["token_ids"]
     assert ids == plain.token_ids[: plain.token_ids.index(stop_at) + 1], (ids, plain.token_ids)
     assert got.choices[0].finish_reason == "stop"
+    cut = plain.text[6:10]
+    for stream in (False, True):
+        got = client.completions.create(model=MODEL, prompt=prompt, **greedy, stop=[cut], stream=stream,
+                                        extra_body={"include_stop_str_in_output": True})
+        text = "".join(c.choices[0].text for c in got if c.choices) if stream else got.choices[0].text
+        assert text == plain.text[: plain.text.index(cut) + len(cut)], (stream, text)
     neutral = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1, "presence_penalty": 0, "logit_bias": {},
-               "skip_special_tokens": True, "include_stop_str_in_output": False, "best_of": 1, "user": "u1",
+               "skip_special_tokens": True, "best_of": 1, "user": "u1",
                "metadata": {"a": "b"}, "store": False, "service_tier": "auto", "guided_json": None}
     got = client.completions.create(model=MODEL, prompt=prompt, **greedy, extra_body=neutral)
     assert got.choices[0].text == plain.text

@@ -36,6 +36,7 @@ class SamplingParams:
     ignore_eos: bool = option(False, "keep generating after EOS (fixed-length outputs)")
     stop: tuple[str, ...] = option(default_factory=tuple, help="stop string (repeatable)", repeat=True)
     stop_token_ids: tuple[int, ...] = option(default_factory=tuple, cli=False)
+    include_stop_str_in_output: bool = option(False, cli=False)  # the stop string ends the text (vLLM's name)
     logprobs: int | None = option(None, cli=False)
     prompt_logprobs: int | None = option(None, cli=False)
 
@@ -64,8 +65,9 @@ class SamplingParams:
                 raise SpecforkError(f"seed must be None or an integer in [-2**63, 2**64 - 1], got {self.seed!r}",
                                     param="seed")
             object.__setattr__(self, "seed", seed)
-        if not isinstance(self.ignore_eos, bool):
-            raise SpecforkError(f"ignore_eos must be True or False, got {self.ignore_eos!r}", param="ignore_eos")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise SpecforkError(f"{name} must be True or False, got {getattr(self, name)!r}", param=name)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:

@@ -305,15 +305,18 @@ class LLMEngine:
     def _hit_stop_string(self, seq: Sequence) -> bool:
         if self.tokenizer is None:
             return False
-        return _first_stop(self.tokenizer.decode(seq.output_token_ids), seq.params.stop) >= 0
+        return _first_stop(self.tokenizer.decode(seq.output_token_ids), seq.params.stop)[0] >= 0
 
     def visible_text(self, seq: Sequence) -> str:
-        """The decoded output, cut before the first stop string."""
+        """The decoded output, cut before the first stop string (after it, with
+        ``include_stop_str_in_output``)."""
         if self.tokenizer is None:
             return ""
         text = self.tokenizer.decode(seq.output_token_ids)
-        cut = _first_stop(text, seq.params.stop)
-        return text if cut < 0 else text[:cut]
+        cut, stop = _first_stop(text, seq.params.stop)
+        if cut < 0:
+            return text
+        return text[: cut + len(stop)] if seq.params.include_stop_str_in_output else text[:cut]
 
     def output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(
@@ -387,6 +390,11 @@ def _start_world(config: Config, num_blocks: int, extra_roles: tuple):
     return world
 
 
-def _first_stop(text: str, stops: tuple[str, ...]) -> int:
-    """Index of the earliest stop string in ``text``, or -1."""
-    return min((i for i in (text.find(stop) for stop in stops) if i >= 0), default=-1)
+def _first_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str]:
+    """Index of the earliest stop string in ``text`` and that string (the longest of those found
+    there), or (-1, "")."""
+    found = [(i, -len(stop), stop) for stop in stops if (i := text.find(stop)) >= 0]
+    if not found:
+        return -1, ""
+    index, _, stop = min(found)
+    return index, stop
