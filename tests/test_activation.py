@@ -47,3 +47,36 @@ def test_fallback_off_the_native_path():
     out = silu_and_mul(gate_up)
     out.sum().backward()
     assert gate_up.grad is not None
+
+
+def test_native_kernels_run_without_pythons_lock():
+    """The server's event loop (health, metrics, streams) runs beside the engine thread; a kernel
+    that kept the GIL stalled it for the whole step (health probes at 130-700 ms under load). With
+    a switch interval of a second, a counting thread gets the lock from this one only if the
+    kernel call gives it up: without that it cannot count once during the call."""
+    import sys
+    import threading
+
+    weight = torch.randn(1024, 1024)
+    packed, x = native_kernels().pack_weight(weight), torch.randn(8, 1024)
+    counted, running, stop = [0], threading.Event(), threading.Event()
+
+    def count():
+        running.set()
+        while not stop.is_set():
+            counted[0] += 1
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1.0)
+    try:
+        counter = threading.Thread(target=count)
+        counter.start()
+        running.wait()
+        before = counted[0]
+        native_kernels().small_m_linear(x, packed, 1024, None)
+        during = counted[0] - before
+        stop.set()
+        counter.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert during > 0, "no Python ran during a native call"
