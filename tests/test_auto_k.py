@@ -236,7 +236,12 @@ def test_k_auto_sd_equals_ar(tiny_checkpoints):
     for drafter, draft in (("ngram", None), ("draft", str(tiny_checkpoints["llama3-rope-untied-sharded"].path))):
         llm = LLM(path, mode="sd", drafter=drafter, draft=draft, deterministic=True)  # k auto: SD's default
         free = llm.engine.block_manager.num_free_blocks  # the measurements at start-up gave back their blocks
-        assert [o.token_ids for o in llm.generate(prompts, params)] == ar
+        outs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs] == ar
+        for m in (o.metrics for o in outs):  # plain rounds are rounds, each emitting one token
+            with_drafts = m["spec_rounds"] - m["spec_rounds_without_drafts"]
+            assert with_drafts <= m["draft_tokens_proposed"] <= 8 * with_drafts
+            assert m["spec_tokens_emitted"] == m["draft_tokens_accepted"] + m["spec_rounds"] == 39
         auto = llm.engine.step_strategy.auto_k
         assert len(auto.costs.verify_s) == 9 and all(t > 0 for t in auto.costs.verify_s)
         assert [m for m, _ in auto.costs.long_s] == [16, 32, 64] and all(t > 0 for _, t in auto.costs.long_s)

@@ -129,7 +129,8 @@ def test_a_cancelled_stream_frees_its_sequence_and_blocks(server):
 
 def _assert_cancelled_once(server, disconnects: float, aborted: float) -> None:
     """Once the server has settled: the request's sequence and KV blocks are freed, and it was
-    counted as one disconnect and one request finished with reason "abort"."""
+    counted as one disconnect and one request finished with reason "abort", never as an error
+    (a dashboard alerting on errors must not fire on clients going away)."""
     deadline = time.time() + 30
     while time.time() < deadline and (server.metric("specfork_kv_cache_blocks_used") > 0
                                       or server.metric("specfork_num_requests_running") > 0):
@@ -138,6 +139,7 @@ def _assert_cancelled_once(server, disconnects: float, aborted: float) -> None:
     assert server.metric("specfork_num_requests_running") == 0
     assert server.metric("specfork_client_disconnects_total") == disconnects + 1
     assert server.metric("specfork_requests_finished_total", 'finish_reason="abort"') == aborted + 1
+    assert 'specfork_request_errors_total{status="499"}' not in server.get("/metrics")[1]
 
 
 def test_a_client_that_stops_waiting_for_a_whole_reply_frees_its_sequence(server):
@@ -271,7 +273,8 @@ def test_metrics_are_prometheus_text(server):
     assert status == 200
     for name in ("specfork_requests_finished_total", "specfork_generation_tokens_total",
                  "specfork_time_to_first_token_seconds_bucket", "specfork_time_per_output_token_seconds_count",
-                 "specfork_spec_acceptance_rate", "specfork_ssd_cache_hit_rate", "specfork_num_requests_waiting",
+                 "specfork_spec_acceptance_rate", "specfork_spec_rounds_without_drafts_total",
+                 "specfork_ssd_cache_hit_rate", "specfork_num_requests_waiting",
                  "specfork_kv_cache_usage"):
         assert re.search(rf"^{name}(\{{[^}}]*\}})? \S+$", text, re.M), name
     assert server.metric("specfork_generation_tokens_total") > 0

@@ -10,6 +10,7 @@ from helpers import assert_greedy_match
 
 from specfork import LLM, ModelLoadError, SamplingParams, SpecforkError
 from specfork.engine.sequence import Sequence
+from specfork.outputs import aggregate_metrics
 from specfork.speculative.ngram import NgramIndex, NgramProposer, ngram_lookup
 from specfork.speculative.rejection import verify_greedy
 
@@ -170,13 +171,15 @@ def test_draft_cache_tracks_the_sequence_and_rolls_back(pair, draft):
 
 def test_sd_metrics_in_outputs(pair):
     sd = LLM(pair["target"], mode="sd", draft=pair["noisy"], k=3)
-    m = sd.generate([PROMPTS[0]], GREEDY)[0].metrics
+    out = sd.generate([PROMPTS[0]], GREEDY)[0]
+    m = out.metrics
     for key in ("draft_tokens_proposed", "draft_tokens_accepted", "acceptance_rate", "mean_accepted_length",
                 "acceptance_by_position", "draft_time_s", "target_time_s", "spec_rounds"):
         assert key in m, key
     assert len(m["acceptance_by_position"]) == 3
     assert m["mean_accepted_length"] == pytest.approx(
         (m["draft_tokens_accepted"] + m["spec_rounds"]) / m["spec_rounds"])
+    assert m["spec_tokens_emitted"] == len(out.token_ids) - 1 and m["spec_rounds_without_drafts"] == 0
     # tokens = 1 from prefill + emitted by rounds (the last round may be cut by max_tokens)
     assert m["spec_rounds"] <= 40
 
@@ -284,4 +287,6 @@ def test_tokens_a_stop_drops_from_an_accepted_run_are_not_counted_as_emitted(pai
     assert out.token_ids == plain[: cut + 1] and out.finish_reason == "stop"
     m = out.metrics
     assert m["mean_accepted_length"] * m["spec_rounds"] == pytest.approx(len(out.token_ids) - 1)  # 1 from prefill
+    assert m["spec_tokens_emitted"] == len(out.token_ids) - 1
     assert m["draft_tokens_accepted"] == m["draft_tokens_proposed"]  # what the target verified still counts
+    assert aggregate_metrics([out])["mean_accepted_length"] == m["mean_accepted_length"]

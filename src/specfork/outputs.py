@@ -47,12 +47,14 @@ def aggregate_metrics(outputs: list[RequestOutput]) -> dict:
         proposed = sum(x["draft_tokens_proposed"] for x in spec)
         accepted = sum(x["draft_tokens_accepted"] for x in spec)
         rounds = sum(x["spec_rounds"] for x in spec)
+        emitted = sum(x["spec_tokens_emitted"] for x in spec)
         agg.update(
             spec_rounds=rounds,
+            spec_rounds_without_drafts=sum(x["spec_rounds_without_drafts"] for x in spec),
             draft_tokens_proposed=proposed,
             draft_tokens_accepted=accepted,
             acceptance_rate=accepted / proposed if proposed else None,
-            mean_accepted_length=(accepted + rounds) / rounds,
+            mean_accepted_length=emitted / rounds,  # tokens a round emitted (a stop may cut its last)
             draft_time_s=sum(x["draft_time_s"] for x in spec),
             target_time_s=sum(x["target_time_s"] for x in spec),
             acceptance_by_position=_pooled_by_position(spec),

@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.5
 RETRY_AFTER_S = "1"
+CLIENT_CLOSED = 499  # nginx's status for a client that closed the connection before the reply
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +90,8 @@ def build_app(loop: EngineLoop, metrics: ServerMetrics, options: AppOptions) -> 
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, error: ApiError) -> JSONResponse:
-        metrics.request_failed(error.status)
+        if error.status != CLIENT_CLOSED:  # a client that went away is counted as a disconnect, not an error
+            metrics.request_failed(error.status)
         return error_response(error)
 
     @app.exception_handler(HTTPException)
@@ -190,7 +192,7 @@ async def read_body(request: Request, limit: int, metrics: ServerMetrics) -> byt
             parts.append(part)
     except ClientDisconnect:  # the client went away before sending its whole body
         metrics.client_disconnected()
-        raise ApiError(499, "the client disconnected before sending the whole request body") from None
+        raise ApiError(CLIENT_CLOSED, "the client disconnected before sending the whole request body") from None
     return b"".join(parts)
 
 
@@ -252,7 +254,7 @@ async def wait_all(loop: EngineLoop, group: RequestGroup, request: Request,
             if clock() >= next_check:
                 if await request.is_disconnected():
                     metrics.client_disconnected()
-                    raise ApiError(499, "the client disconnected") from None
+                    raise ApiError(CLIENT_CLOSED, "the client disconnected") from None
                 next_check = clock() + DISCONNECT_POLL_S
             if event is None:
                 continue

@@ -55,6 +55,8 @@ class ServerMetrics:
         self.tpot = Histogram(TOKEN_LATENCY_BUCKETS)
         self.e2e = Histogram(LATENCY_BUCKETS)
         self.spec_rounds = 0
+        self.spec_rounds_without_drafts = 0
+        self.spec_tokens_emitted = 0
         self.draft_proposed = 0
         self.draft_accepted = 0
         self.ssd_requests = 0
@@ -72,6 +74,8 @@ class ServerMetrics:
                 self.tpot.observe(m["tpot_s"])
             self.e2e.observe(m["time_s"])
             self.spec_rounds += m.get("spec_rounds", 0)
+            self.spec_rounds_without_drafts += m.get("spec_rounds_without_drafts", 0)
+            self.spec_tokens_emitted += m.get("spec_tokens_emitted", 0)
             self.draft_proposed += m.get("draft_tokens_proposed", 0)
             self.draft_accepted += m.get("draft_tokens_accepted", 0)
             self.ssd_requests += m.get("ssd_requests", 0)
@@ -113,14 +117,19 @@ class ServerMetrics:
                    self.tpot.lines("specfork_time_per_output_token_seconds"))
             metric("specfork_e2e_request_latency_seconds", "histogram", "Time from arrival to the last token.",
                    self.e2e.lines("specfork_e2e_request_latency_seconds"))
-            scalar("specfork_spec_rounds_total", "counter", "Speculative rounds (target verification passes).", self.spec_rounds)
+            scalar("specfork_spec_rounds_total", "counter", "Speculative rounds (target verification passes), "
+                   "plain ones included.", self.spec_rounds)
+            scalar("specfork_spec_rounds_without_drafts_total", "counter", "Rounds that verified no drafts (k auto "
+                   "chose plain decoding, or nothing was proposed): each gives one token.",
+                   self.spec_rounds_without_drafts)
             scalar("specfork_spec_draft_tokens_total", "counter", "Draft tokens proposed.", self.draft_proposed)
             scalar("specfork_spec_accepted_tokens_total", "counter", "Draft tokens accepted.", self.draft_accepted)
             rate = self.draft_accepted / self.draft_proposed if self.draft_proposed else 0.0
             scalar("specfork_spec_acceptance_rate", "gauge", "Accepted / proposed draft tokens so far.", rate)
-            mean_len = (self.draft_accepted + self.spec_rounds) / self.spec_rounds if self.spec_rounds else 0.0
+            mean_len = self.spec_tokens_emitted / self.spec_rounds if self.spec_rounds else 0.0
             scalar("specfork_spec_mean_accepted_length", "gauge",
-                   "Tokens per target forward in speculative rounds (bonus token included).", mean_len)
+                   "Tokens per target forward in speculative rounds (bonus token included; a round without "
+                   "drafts gives 1).", mean_len)
             scalar("specfork_ssd_cache_lookups_total", "counter", "SSD speculation-cache lookups.", self.ssd_requests)
             scalar("specfork_ssd_cache_hits_total", "counter", "SSD speculation-cache hits.", self.ssd_hits)
             hit_rate = self.ssd_hits / self.ssd_requests if self.ssd_requests else 0.0

@@ -24,6 +24,7 @@ class SpecStats:
     """Speculation counters of one request."""
 
     rounds: int = 0
+    rounds_without_drafts: int = 0  # plain forwards (k auto chose 0, or nothing to propose)
     proposed: int = 0
     accepted: int = 0
     emitted: int = 0
@@ -36,6 +37,7 @@ class SpecStats:
 
     def record(self, proposed: int, accepted: int, draft_s: float, target_s: float, source: str | None = None) -> None:
         self.rounds += 1
+        self.rounds_without_drafts += proposed == 0
         if source is not None:
             counts = self.by_source.setdefault(source, {"rounds": 0, "proposed": 0, "accepted": 0})
             counts["rounds"] += 1
@@ -64,6 +66,8 @@ class SpecStats:
     def as_metrics(self) -> dict:
         return {
             "spec_rounds": self.rounds,
+            "spec_rounds_without_drafts": self.rounds_without_drafts,
+            "spec_tokens_emitted": self.emitted,
             "draft_tokens_proposed": self.proposed,
             "draft_tokens_accepted": self.accepted,
             "acceptance_rate": self.accepted / self.proposed if self.proposed else None,
