@@ -30,6 +30,9 @@ def test_chat_reply_is_sensible(ar_det):
     out = ar_det.chat([{"role": "user", "content": "What is the capital of France?"}],
                       SamplingParams(temperature=0.0, max_tokens=32))[0]
     assert "Paris" in out.text and out.finish_reason == "stop" and out.token_ids[-1] == 2
+    raw = ar_det.chat([{"role": "user", "content": "What is the capital of France?"}],
+                      SamplingParams(temperature=0.0, max_tokens=32, skip_special_tokens=False))[0]
+    assert raw.text == out.text + "<|im_end|>" and raw.token_ids == out.token_ids
 
 
 def test_stream_yields_the_final_text(ar_det):

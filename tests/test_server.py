@@ -297,7 +297,9 @@ def test_optional_fields_sent_as_null_take_their_defaults(server):
 
 def test_vllm_extensions_the_engine_has_are_honoured_and_neutral_values_accepted(server, offline):
     """stop_token_ids ends a choice at that token, include_stop_str_in_output keeps the stop string,
-    top_k -1 means off (vLLM's spelling), and the neutral values of fields specfork does not implement, or the caller's bookkeeping, change nothing."""
+    skip_special_tokens false keeps EOS's text, top_k -1 means off (vLLM's spelling), and the
+    neutral values of fields specfork does not implement, or the caller's bookkeeping, change
+    nothing."""
     client = server.client()
     prompt, greedy = "The capital of France is", {"max_tokens": 12, "temperature": 0}
     plain = offline.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12))[0]
@@ -313,8 +315,12 @@ def test_vllm_extensions_the_engine_has_are_honoured_and_neutral_values_accepted
                                         extra_body={"include_stop_str_in_output": True})
         text = "".join(c.choices[0].text for c in got if c.choices) if stream else got.choices[0].text
         assert text == plain.text[: plain.text.index(cut) + len(cut)], (stream, text)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 24, "temperature": 0}
+    kept = client.chat.completions.create(**chat, extra_body={"skip_special_tokens": False}).choices[0]
+    plain_reply = client.chat.completions.create(**chat).choices[0]
+    assert plain_reply.finish_reason == "stop" and kept.message.content == plain_reply.message.content + "<|im_end|>"
     neutral = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1, "presence_penalty": 0, "logit_bias": {},
-               "skip_special_tokens": True, "best_of": 1, "user": "u1",
+               "spaces_between_special_tokens": True, "best_of": 1, "user": "u1",
                "metadata": {"a": "b"}, "store": False, "service_tier": "auto", "guided_json": None}
     got = client.completions.create(model=MODEL, prompt=prompt, **greedy, extra_body=neutral)
     assert got.choices[0].text == plain.text

@@ -37,6 +37,7 @@ class SamplingParams:
     stop: tuple[str, ...] = option(default_factory=tuple, help="stop string (repeatable)", repeat=True)
     stop_token_ids: tuple[int, ...] = option(default_factory=tuple, cli=False)
     include_stop_str_in_output: bool = option(False, cli=False)  # the stop string ends the text (vLLM's name)
+    skip_special_tokens: bool = option(True, cli=False)  # special tokens (EOS, chat markup) left out of the text
     logprobs: int | None = option(None, cli=False)
     prompt_logprobs: int | None = option(None, cli=False)
 
@@ -65,7 +66,7 @@ class SamplingParams:
                 raise SpecforkError(f"seed must be None or an integer in [-2**63, 2**64 - 1], got {self.seed!r}",
                                     param="seed")
             object.__setattr__(self, "seed", seed)
-        for name in ("ignore_eos", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecforkError(f"{name} must be True or False, got {getattr(self, name)!r}", param=name)
         for name in ("logprobs", "prompt_logprobs"):

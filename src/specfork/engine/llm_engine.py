@@ -305,14 +305,17 @@ class LLMEngine:
     def _hit_stop_string(self, seq: Sequence) -> bool:
         if self.tokenizer is None:
             return False
-        return _first_stop(self.tokenizer.decode(seq.output_token_ids), seq.params.stop)[0] >= 0
+        return _first_stop(self._decode_output(seq), seq.params.stop)[0] >= 0
+
+    def _decode_output(self, seq: Sequence) -> str:
+        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
 
     def visible_text(self, seq: Sequence) -> str:
         """The decoded output, cut before the first stop string (after it, with
         ``include_stop_str_in_output``)."""
         if self.tokenizer is None:
             return ""
-        text = self.tokenizer.decode(seq.output_token_ids)
+        text = self._decode_output(seq)
         cut, stop = _first_stop(text, seq.params.stop)
         if cut < 0:
             return text

@@ -107,7 +107,8 @@ def _sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens
         first = SamplingParams(
             temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, max_tokens=max_tokens,
             seed=body.seed, stop=body.stops, stop_token_ids=tuple(body.stop_token_ids or ()),
-            include_stop_str_in_output=body.include_stop_str_in_output, ignore_eos=body.ignore_eos, logprobs=logprobs,
+            include_stop_str_in_output=body.include_stop_str_in_output, skip_special_tokens=body.skip_special_tokens,
+            ignore_eos=body.ignore_eos, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
     except SpecforkError as e:

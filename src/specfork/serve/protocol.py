@@ -69,7 +69,6 @@ _NEUTRAL: dict[str, tuple] = {
     "logit_bias": ({},),
     "bad_words": ([],),
     "use_beam_search": (False,),
-    "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
     "tools": ([],),
     "functions": ([],),
@@ -107,6 +106,7 @@ class GenerationRequest(BaseModel):
     stop_token_ids: list[int] | None = Field(None, description="token ids that end a choice (extension, as in vLLM)")
     include_stop_str_in_output: bool = Field(False, description="end the text with the stop string it met "
                                              "(extension, as in vLLM)")
+    skip_special_tokens: bool = Field(True, description="leave special tokens out of the text (extension, as in vLLM)")
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
