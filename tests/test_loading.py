@@ -175,6 +175,20 @@ def test_a_config_that_describes_other_weights_is_refused(tmp_path, changes, mes
         LLM(str(tmp_path))
 
 
+def test_an_unused_tensor_of_a_configured_layer_is_only_warned_of(tmp_path, caplog):
+    """Old rotary buffers or biases the config does not use are ignored with a warning, as before
+    the layer-count check (which looks at layers past the config's count only)."""
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**{k: v for k, v in _llama_dict().items() if k != "model_type"})).save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.layers.0.self_attn.rotary_emb.cos_cached"] = torch.zeros(4, 4)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    LLM(str(tmp_path))
+    assert "ignored 1 unexpected tensors" in caplog.text
+
+
 def test_a_missing_tensor_is_named_as_the_file_spells_it(tmp_path):
     """The message named the HF spelling with no path, also for a GGUF file."""
     from safetensors.torch import load_file, save_file

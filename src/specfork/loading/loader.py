@@ -175,7 +175,7 @@ def _check_shapes(net: LlamaForCausalLM, arch: ModelArchConfig, location: Checkp
 def _check_no_more_layers(leftover: list[str], arch: ModelArchConfig, location: CheckpointLocation) -> None:
     """Weights of layers past the config's count: the config describes another model (running its
     first layers only would give wrong numbers)."""
-    extra = {int(m.group(1)) for n in leftover if (m := _LAYER_INDEX.match(n))}
+    extra = {index for n in leftover if (m := _LAYER_INDEX.match(n)) and (index := int(m.group(1))) >= arch.num_layers}
     if extra:
         raise ModelLoadError(f"{location.path}: the checkpoint has weights for {max(extra) + 1} layers but the config "
                              f"says {arch.num_layers} (num_hidden_layers, or block_count in a GGUF)")
