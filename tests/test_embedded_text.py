@@ -30,9 +30,28 @@ def test_chat_reply_is_sensible(ar_det):
     out = ar_det.chat([{"role": "user", "content": "What is the capital of France?"}],
                       SamplingParams(temperature=0.0, max_tokens=32))[0]
     assert "Paris" in out.text and out.finish_reason == "stop" and out.token_ids[-1] == 2
-    raw = ar_det.chat([{"role": "user", "content": "What is the capital of France?"}],
-                      SamplingParams(temperature=0.0, max_tokens=32, skip_special_tokens=False))[0]
-    assert raw.text == out.text + "<|im_end|>" and raw.token_ids == out.token_ids
+
+
+
+def test_special_tokens_and_the_stopping_token_in_the_text_as_vllm(ar_det):
+    """The token that ended a reply (EOS, a stop id) stays out of the text unless
+    include_stop_str_in_output; skip_special_tokens=False keeps other special tokens' text."""
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+
+    def reply(**options):
+        return ar_det.chat(question, SamplingParams(temperature=0.0, max_tokens=24, **options))[0]
+
+    out = reply()
+    assert out.finish_reason == "stop" and out.token_ids[-1] == 2
+    assert reply(skip_special_tokens=False).text == out.text
+    assert reply(skip_special_tokens=False, include_stop_str_in_output=True).text == out.text + "<|im_end|>"
+    going_on = reply(ignore_eos=True, skip_special_tokens=False)
+    assert going_on.text.startswith(out.text + "<|im_end|>") and "<|im_start|>" in going_on.text
+    assert "<|im_" not in reply(ignore_eos=True).text
+    cut = out.token_ids.index(out.token_ids[3])  # its first occurrence ends the reply
+    by_id = reply(stop_token_ids=(out.token_ids[3],))
+    assert by_id.token_ids == out.token_ids[: cut + 1]
+    assert by_id.text == ar_det.engine.tokenizer.decode(out.token_ids[:cut])
 
 
 def test_stream_yields_the_final_text(ar_det):

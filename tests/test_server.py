@@ -297,7 +297,7 @@ def test_optional_fields_sent_as_null_take_their_defaults(server):
 
 def test_vllm_extensions_the_engine_has_are_honoured_and_neutral_values_accepted(server, offline):
     """stop_token_ids ends a choice at that token, include_stop_str_in_output keeps the stop string,
-    skip_special_tokens false keeps EOS's text, top_k -1 means off (vLLM's spelling), and the
+    skip_special_tokens false keeps special tokens' text, top_k -1 means off (vLLM's spelling), and the
     neutral values of fields specfork does not implement, or the caller's bookkeeping, change
     nothing."""
     client = server.client()
@@ -309,6 +309,7 @@ def test_vllm_extensions_the_engine_has_are_honoured_and_neutral_values_accepted
     ids = got.choices[0].model_extra["token_ids"]
     assert ids == plain.token_ids[: plain.token_ids.index(stop_at) + 1], (ids, plain.token_ids)
     assert got.choices[0].finish_reason == "stop"
+    assert got.choices[0].text == offline.engine.tokenizer.decode(ids[:-1])  # the stopping token's text left out
     cut = plain.text[6:10]
     for stream in (False, True):
         got = client.completions.create(model=MODEL, prompt=prompt, **greedy, stop=[cut], stream=stream,
@@ -316,9 +317,9 @@ def test_vllm_extensions_the_engine_has_are_honoured_and_neutral_values_accepted
         text = "".join(c.choices[0].text for c in got if c.choices) if stream else got.choices[0].text
         assert text == plain.text[: plain.text.index(cut) + len(cut)], (stream, text)
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 24, "temperature": 0}
-    kept = client.chat.completions.create(**chat, extra_body={"skip_special_tokens": False}).choices[0]
-    plain_reply = client.chat.completions.create(**chat).choices[0]
-    assert plain_reply.finish_reason == "stop" and kept.message.content == plain_reply.message.content + "<|im_end|>"
+    kept = client.chat.completions.create(**chat, extra_body={"skip_special_tokens": False, "ignore_eos": True})
+    skipped = client.chat.completions.create(**chat, extra_body={"ignore_eos": True})
+    assert "<|im_end|>" in kept.choices[0].message.content and "<|im_" not in skipped.choices[0].message.content
     neutral = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1, "presence_penalty": 0, "logit_bias": {},
                "spaces_between_special_tokens": True, "best_of": 1, "user": "u1",
                "metadata": {"a": "b"}, "store": False, "service_tier": "auto", "guided_json": None}

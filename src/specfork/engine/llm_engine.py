@@ -292,7 +292,7 @@ class LLMEngine:
         for tok in tokens:
             seq.token_ids.append(tok)
             accepted.append(tok)
-            if (tok in self.eos_token_ids and not params.ignore_eos) or tok in params.stop_token_ids:
+            if self._is_stop_token(tok, params):
                 seq.finish_reason = "stop"
             elif params.stop and self._hit_stop_string(seq):
                 seq.finish_reason = "stop"
@@ -307,8 +307,17 @@ class LLMEngine:
             return False
         return _first_stop(self._decode_output(seq), seq.params.stop)[0] >= 0
 
+    def _is_stop_token(self, tok: int, params: SamplingParams) -> bool:
+        return (tok in self.eos_token_ids and not params.ignore_eos) or tok in params.stop_token_ids
+
     def _decode_output(self, seq: Sequence) -> str:
-        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+        """The output's text. A token that ended it (EOS or a stop id) is left out, as vLLM does,
+        unless ``include_stop_str_in_output``; it stays in the token ids."""
+        ids = seq.output_token_ids
+        if (seq.finish_reason == "stop" and ids and self._is_stop_token(ids[-1], seq.params)
+                and not seq.params.include_stop_str_in_output):
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
 
     def visible_text(self, seq: Sequence) -> str:
         """The decoded output, cut before the first stop string (after it, with
