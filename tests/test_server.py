@@ -227,6 +227,10 @@ BAD_REQUESTS = [
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": None}), "prompt"),  # a required field stays required
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": ["a"] * 65, "n": 2}), "65 prompts x n = 2 makes 130"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": ["hi", "word " * 1100]}), "prompt.1: "),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": ["hi", "word " * 1000], "max_tokens": 100}),
+     "prompt.1: "),  # the engine's own length rule, for one prompt of a batch
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "add_special_tokens": False}),
+     "'add_special_tokens' is not supported"),
 ]
 
 
@@ -320,6 +324,10 @@ def test_vllm_extensions_the_engine_has_are_honoured_and_neutral_values_accepted
     kept = client.chat.completions.create(**chat, extra_body={"skip_special_tokens": False, "ignore_eos": True})
     skipped = client.chat.completions.create(**chat, extra_body={"ignore_eos": True})
     assert "<|im_end|>" in kept.choices[0].message.content and "<|im_" not in skipped.choices[0].message.content
+    harmless = {"prompt_cache_key": "k1", "safety_identifier": "s1", "verbosity": "medium", "add_special_tokens": True,
+                "return_tokens_as_token_ids": False, "detokenize": True}
+    assert client.completions.create(model=MODEL, prompt=prompt, **greedy, extra_body=harmless).choices[0].text == \
+        plain.text
     neutral = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1, "presence_penalty": 0, "logit_bias": {},
                "spaces_between_special_tokens": True, "best_of": 1, "user": "u1",
                "metadata": {"a": "b"}, "store": False, "service_tier": "auto", "guided_json": None}
@@ -358,7 +366,8 @@ def test_chat_template_options_and_replies_sent_back_as_the_client_returned_them
     client = server.client()
     first = [{"role": "user", "content": "Say hello."}]
     reply = client.chat.completions.create(model=MODEL, messages=first, max_tokens=6, temperature=0)
-    history = [*first, reply.choices[0].message.model_dump(), {"role": "user", "content": "Again.", "name": "ann"}]
+    returned = {**reply.choices[0].message.model_dump(), "reasoning_content": None}  # as vLLM returns it
+    history = [*first, returned, {"role": "user", "content": "Again.", "name": "ann"}]
     again = client.chat.completions.create(model=MODEL, messages=history, max_tokens=6, temperature=0)
     assert again.usage.prompt_tokens == len(tokenizer.apply_chat_template(
         [*first, {"role": "assistant", "content": reply.choices[0].message.content}, history[-1]]))
@@ -372,6 +381,14 @@ def test_chat_template_options_and_replies_sent_back_as_the_client_returned_them
     default = client.chat.completions.create(model=MODEL, messages=opened, max_tokens=4, temperature=0)
     assert default.usage.prompt_tokens == len(tokenizer.apply_chat_template(opened))
     assert len({default.usage.prompt_tokens, got.usage.prompt_tokens}) == 2
+    # chat_template_kwargs reach the template (SmolLM2's ignores unknown variables; a reserved one is refused)
+    got = client.chat.completions.create(model=MODEL, messages=first, max_tokens=4, temperature=0,
+                                         extra_body={"chat_template_kwargs": {"enable_thinking": False},
+                                                     "add_special_tokens": False})
+    assert got.usage.prompt_tokens == len(tokenizer.apply_chat_template(first))
+    with pytest.raises(openai.BadRequestError, match="set by the request itself"):
+        client.chat.completions.create(model=MODEL, messages=first, max_tokens=4,
+                                       extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
 
 
 def test_model_card_and_openai_error_bodies_for_unknown_routes(server):

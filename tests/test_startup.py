@@ -121,6 +121,11 @@ def test_continuing_the_last_message_does_not_also_open_a_new_turn(embedded):
         tokenizer.apply_chat_template(opened, continue_final_message=True)
     ids = tokenizer.apply_chat_template(opened, add_generation_prompt=False, continue_final_message=True)
     assert tokenizer.decode(ids, skip_special_tokens=False).endswith("assistant\nHello")
+    # content that also occurs in the end-of-turn markup: found backwards, it was cut inside the markup
+    for content in ("im", "\n", "end"):
+        ids = tokenizer.apply_chat_template([*opened[:1], {"role": "assistant", "content": content}],
+                                            add_generation_prompt=False, continue_final_message=True)
+        assert tokenizer.decode(ids, skip_special_tokens=False).endswith("<|im_start|>assistant\n" + content), content
 
 def _write_vocab_gguf(path, tokens: list[str], types: list[int], merges: list[str], *, arch: str, pre: str,
                       bos: int, eos: int, add_bos: bool) -> None:

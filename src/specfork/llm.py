@@ -105,12 +105,14 @@ class LLM:
         return self.engine.encode_prompt(prompt)
 
     def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
-                    continue_final_message: bool = False) -> list[int]:
+                    continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template: with the assistant's
         turn opened (``add_generation_prompt``), or with the last message left open so that the reply
-        continues it (``continue_final_message``; then ``add_generation_prompt=False``)."""
+        continues it (``continue_final_message``; then ``add_generation_prompt=False``);
+        ``chat_template_kwargs`` are further template variables (as vLLM's)."""
         return self.engine.encode_chat(messages, add_generation_prompt=add_generation_prompt,
-                                       continue_final_message=continue_final_message)
+                                       continue_final_message=continue_final_message,
+                                       template_kwargs=chat_template_kwargs)
 
     def generate(
         self,
@@ -133,15 +135,17 @@ class LLM:
         use_tqdm: bool = False,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Generate a reply for each conversation (a list of {role, content} messages); the last two
+        """Generate a reply for each conversation (a list of {role, content} messages); the last three
         options are ``encode_chat``'s."""
         if isinstance(conversations, list) and conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         if not conversations:
             raise PromptError("no conversations given")
         self._open_engine()
-        template = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
+        template = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
+                    "chat_template_kwargs": chat_template_kwargs}
         return self._run([self.encode_chat(c, **template) for c in conversations], sampling_params, use_tqdm)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:

@@ -160,11 +160,12 @@ class LLMEngine:
         return ids
 
     def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
-                    continue_final_message: bool = False) -> list[int]:
+                    continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
         if self.tokenizer is None:
             raise PromptError("this model has no tokenizer, so it cannot apply a chat template")
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                 continue_final_message=continue_final_message)
+                                                 continue_final_message=continue_final_message,
+                                                 template_kwargs=template_kwargs)
         self.check_prompt_ids(ids)
         return ids
 

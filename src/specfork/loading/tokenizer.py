@@ -138,28 +138,37 @@ class Tokenizer:
         return text.encode("utf-8")
 
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
-                            continue_final_message: bool = False) -> list[int]:
+                            continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
         """The conversation rendered by the model's template and tokenized. ``add_generation_prompt``
         opens the assistant's turn; ``continue_final_message`` leaves the last message open instead
         (its end-of-turn markup cut off), so that generation continues its text, as transformers
-        and vLLM do."""
+        and vLLM do. ``template_kwargs`` are further variables for the template (vLLM's
+        ``chat_template_kwargs``, e.g. Qwen3's ``enable_thinking``)."""
         if not self.has_chat_template():
             raise PromptError("this model has no chat template; pass raw prompts instead")
         check_messages(messages)
         if add_generation_prompt and continue_final_message:
             raise PromptError("continue_final_message continues the last message, so it cannot be combined "
                               "with add_generation_prompt (set that to false)")
+        extra = dict(template_kwargs or {})
+        reserved = sorted(set(extra) & _TEMPLATE_VARIABLES)
+        if reserved:
+            raise PromptError(f"chat template variables {reserved} are set by the request itself, not by "
+                              "chat_template_kwargs")
+        rendered = messages
+        if continue_final_message:  # the content marked, to find where it ends in the rendered text
+            rendered = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + _CONTINUE_HERE}]
         import jinja2
 
         try:
             if self._via_transformers:
-                text = self._hf.apply_chat_template(messages, tokenize=False,
-                                                    add_generation_prompt=add_generation_prompt)
+                text = self._hf.apply_chat_template(rendered, tokenize=False,
+                                                    add_generation_prompt=add_generation_prompt, **extra)
             else:
                 # As transformers does: tokens that are not set are left out (a template tests them).
                 special = {k: v for k, v in self.special_tokens.items() if v is not None}
-                text = self._template.render(messages=messages, tools=None, documents=None,
-                                             add_generation_prompt=add_generation_prompt, **special)
+                text = self._template.render(**{**special, **extra}, messages=rendered, tools=None, documents=None,
+                                             add_generation_prompt=add_generation_prompt)
         except jinja2.TemplateError as e:  # the template refuses this conversation (e.g. roles out of order)
             raise PromptError(f"the chat template refused these messages: {e}") from None
         if continue_final_message:
@@ -215,10 +224,20 @@ def compile_chat_template(source: str):
         raise ModelLoadError(f"the model's chat template does not compile: {e}") from None
 
 
+# Variables the request's own options set: chat_template_kwargs may not replace them.
+_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                                 "tokenize", "return_dict", "chat_template", "conversation"})
+# Appended to the last message's content under continue_final_message, to find where it ends.
+_CONTINUE_HERE = "\u2063specfork-continue-here\u2063"
+
+
 def _open_final_message(text: str, final: str) -> str:
     """The rendered conversation cut right after the last message's content (what follows it is
-    the template's end-of-turn markup). Templates may strip the content, so the stripped text is
-    looked for too."""
+    the template's end-of-turn markup), found by the marker rendered after it; a template that
+    changes the marker's text is cut after the content's last occurrence, as transformers does."""
+    if text.count(_CONTINUE_HERE) == 1:
+        return text[: text.index(_CONTINUE_HERE)]
+    text = text.replace(_CONTINUE_HERE, "")
     for content in (final, final.strip()):
         end = text.rfind(content)
         if content and end >= 0:

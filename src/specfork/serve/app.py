@@ -219,7 +219,10 @@ async def admit(loop: EngineLoop, job: Job) -> RequestGroup:
             if isinstance(event, Admitted):
                 admitted += 1
             elif isinstance(event, Failed):
-                raise _api_error(event, job.body)
+                error = _api_error(event, job.body)
+                if len(job.prompts) > 1:  # which prompt of the batch the engine refused
+                    error.message = f"prompt.{job.prompt_of(index)}: {error.message}"
+                raise error
             else:
                 early.append((index, event))
     except BaseException:

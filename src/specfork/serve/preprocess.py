@@ -84,7 +84,8 @@ def prepare_chat(raw: bytes, engine: LLMEngine, served_model_name: str) -> Job:
     try:
         prompt_ids = engine.encode_chat([m.as_template_message() for m in body.messages],
                                         add_generation_prompt=body.add_generation_prompt,
-                                        continue_final_message=body.continue_final_message)
+                                        continue_final_message=body.continue_final_message,
+                                        template_kwargs=body.chat_template_kwargs)
     except SpecforkError as e:
         raise ApiError(400, str(e), param="messages") from None
     max_tokens = body.token_limit

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     AfterValidator,
@@ -76,7 +76,9 @@ _NEUTRAL: dict[str, tuple] = {
     "function_call": ("none", "auto"),
     "response_format": ({"type": "text"},),
     "modalities": (["text"],),
-    "chat_template_kwargs": ({},),
+    "verbosity": ("medium",),
+    "return_tokens_as_token_ids": (False,),
+    "detokenize": (True,),
     "echo": (False,),  # chat's (vLLM); completions' is declared
     # no neutral value but null
     "allowed_token_ids": (), "truncate_prompt_tokens": (), "prompt_logprobs": (), "guided_json": (),
@@ -85,7 +87,8 @@ _NEUTRAL: dict[str, tuple] = {
     "documents": (),
 }
 # Fields that change nothing the model computes (the caller's bookkeeping): accepted and ignored.
-_BOOKKEEPING = frozenset({"metadata", "store", "service_tier", "parallel_tool_calls", "request_id", "priority"})
+_BOOKKEEPING = frozenset({"metadata", "store", "service_tier", "parallel_tool_calls", "request_id", "priority",
+                          "prompt_cache_key", "safety_identifier"})
 
 
 def _is_neutral(value: object, neutral: tuple) -> bool:
@@ -115,6 +118,7 @@ class GenerationRequest(BaseModel):
     return_token_ids: bool = Field(False, description="add the generated token ids to each choice (extension)")
 
     OTHER_SPELLINGS: ClassVar[dict[str, str]] = {}  # another endpoint's field -> this one's
+    NEUTRAL_HERE: ClassVar[dict[str, tuple]] = {}  # neutral values this endpoint's defaults make
 
     @model_validator(mode="before")
     @classmethod
@@ -155,8 +159,8 @@ class GenerationRequest(BaseModel):
             if name == "best_of":
                 if value != self.n:
                     raise ApiError(400, "'best_of' other than n is not supported by this server", param=name)
-            elif name in _NEUTRAL:
-                if not _is_neutral(value, _NEUTRAL[name]):
+            elif name in _NEUTRAL or name in self.NEUTRAL_HERE:
+                if not _is_neutral(value, self.NEUTRAL_HERE.get(name) or _NEUTRAL[name]):
                     raise ApiError(400, f"'{name}' is not supported by this server", param=name)
             else:
                 spelled = self.OTHER_SPELLINGS.get(name)
@@ -174,6 +178,7 @@ class GenerationRequest(BaseModel):
 
 class CompletionRequest(GenerationRequest):
     OTHER_SPELLINGS: ClassVar[dict[str, str]] = {"max_completion_tokens": "max_tokens", "top_logprobs": "logprobs"}
+    NEUTRAL_HERE: ClassVar[dict[str, tuple]] = {"add_special_tokens": (True,)}  # the tokenizer's own settings
     prompt: Text | list[int] | list[Text] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
@@ -211,7 +216,7 @@ class TextPart(BaseModel):
 # A message's fields for tool calling: refused when set (no tool calls here), dropped when empty.
 _TOOL_FIELDS = ("tool_calls", "function_call", "tool_call_id")
 # Fields an assistant message returned by the API carries (clients send it back as it came): dropped.
-_REPLY_FIELDS = ("refusal", "annotations")
+_REPLY_FIELDS = ("refusal", "annotations", "reasoning_content", "reasoning")
 
 
 class ChatMessage(BaseModel):
@@ -248,6 +253,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(GenerationRequest):
+    NEUTRAL_HERE: ClassVar[dict[str, tuple]] = {"add_special_tokens": (False,)}  # the template writes them
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -255,6 +261,8 @@ class ChatCompletionRequest(GenerationRequest):
     add_generation_prompt: bool = Field(True, description="open the assistant's turn (extension, as in vLLM)")
     continue_final_message: bool = Field(
         False, description="leave the last message open and continue it (extension, as in vLLM)")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="further variables for the chat template (extension, as in vLLM)")
 
     @field_validator("top_logprobs")
     @classmethod
