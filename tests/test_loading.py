@@ -107,6 +107,7 @@ def test_windows_that_never_apply_are_not_refused():
                                                     max_window_layers=2))  # from layer 2 on: none of 2
     mistral = ModelArchConfig.from_hf_dict(_llama_dict(model_type="mistral", sliding_window=256))
     assert qwen.num_layers == mistral.num_layers == 2
+    assert ModelArchConfig.from_hf_dict(_llama_dict(partial_rotary_factor=None, mlp_bias=False)).num_layers == 2
 
 
 def _gguf_metadata(path, **extra):

@@ -105,7 +105,7 @@ def _refuse_unsupported_features(cfg: dict, model_type: str) -> None:
         raise ModelLoadError(f"config.json: hidden_act {act!r} is not supported (specfork's MLP uses SiLU)")
     if cfg.get("mlp_bias"):
         raise ModelLoadError("config.json: mlp_bias is not supported (biases on the MLP projections)")
-    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
+    if cfg.get("partial_rotary_factor") not in (None, 1, 1.0):
         raise ModelLoadError("config.json: partial_rotary_factor is not supported (RoPE on part of each head)")
     window, context = cfg.get("sliding_window"), cfg.get("max_position_embeddings")
     if isinstance(window, int) and isinstance(context, int) and 0 < window < context:
