@@ -358,6 +358,29 @@ def test_a_batch_of_prompts_gets_n_choices_each_numbered_across_prompts(server, 
     assert texts == expected
 
 
+def test_tokenize_and_detokenize_as_vllm(server, offline):
+    """vLLM's /tokenize (a text, or a conversation rendered as chat completions render it) and
+    /detokenize (ids back to text, special tokens included)."""
+    status, reply = server.post("/tokenize", json.dumps({"model": MODEL, "prompt": PROMPTS[0]}))
+    assert status == 200 and reply == {"count": len(offline.encode(PROMPTS[0])), "max_model_len": 1024,
+                                       "tokens": offline.encode(PROMPTS[0])}
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    for options in ({}, {"add_generation_prompt": False, "continue_final_message": True}):
+        status, reply = server.post("/tokenize", json.dumps({"model": MODEL, "messages": messages, **options}))
+        assert status == 200 and reply["tokens"] == offline.encode_chat(messages, **options), options
+    status, reply = server.post("/detokenize", json.dumps({"model": MODEL, "tokens": reply["tokens"]}))
+    assert status == 200 and reply["prompt"].endswith("<|im_start|>assistant\nHello")
+    for path, body, message in [
+        ("/tokenize", {"prompt": "Hi", "messages": messages}, "either 'prompt'"),
+        ("/tokenize", {"prompt": "Hi", "add_special_tokens": False}, "add_special_tokens"),
+        ("/tokenize", {"prompt": "Hi", "mood": 1}, "mood: unknown field"),
+        ("/detokenize", {"tokens": [1, 10**9]}, "outside the vocabulary"),
+        ("/detokenize", {"model": "other", "tokens": [1]}, "does not exist"),
+    ]:
+        status, reply = server.post(path, json.dumps({"model": MODEL, **body}))
+        assert status == 400 and message in reply["error"]["message"], (path, body, reply)
+
+
 def test_chat_template_options_and_replies_sent_back_as_the_client_returned_them(server, offline):
     """add_generation_prompt and continue_final_message render the conversation as transformers
     does (the prompt's token count shows which); an assistant message the openai client returned,

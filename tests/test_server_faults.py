@@ -80,6 +80,9 @@ def test_api_key_no_chat_template_and_a_fast_idle_shutdown(no_template, monkeypa
         with pytest.raises(openai.AuthenticationError):
             s.client().completions.create(model=no_template, prompt="w1", max_tokens=2)
         assert s.get("/health")[0] == 200 and s.get("/metrics")[0] == 200  # not /v1: no key needed
+        tokenize = json.dumps({"model": no_template, "prompt": "w1 w2"})
+        assert s.post("/tokenize", tokenize)[0] == 401  # vLLM's tokenizer routes want the key too
+        assert s.post("/tokenize", tokenize, headers={"Authorization": "Bearer k-123"})[1]["count"] == 2
         client = s.client(api_key="k-123")
         assert client.completions.create(model=no_template, prompt="w1 w2 w3", max_tokens=3).usage.prompt_tokens == 3
         with pytest.raises(openai.BadRequestError, match="no chat template"):

@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP API over one shared :class:`EngineLoop`.
 
 Routes: GET /v1/models (and /v1/models/{id}), POST /v1/completions, POST /v1/chat/completions
-(streaming with SSE and ``data: [DONE]``, or not), GET /health, GET /metrics (Prometheus text).
-With an API key, every /v1 route wants ``Authorization: Bearer <key>``.
+(streaming with SSE and ``data: [DONE]``, or not), POST /tokenize and /detokenize (vLLM's), GET
+/health, GET /metrics (Prometheus text). With an API key, every /v1 route and the tokenizer routes
+want ``Authorization: Bearer <key>``.
 
 The event loop only moves bytes: bodies are read with a size limit, and parsing, validation,
 templating and tokenizing run on worker threads (``preprocess``), as does formatting a large
@@ -39,7 +40,7 @@ from specfork.serve.engine_loop import (
     RequestGroup,
 )
 from specfork.serve.metrics import ServerMetrics
-from specfork.serve.preprocess import Job, prepare_chat, prepare_completion
+from specfork.serve.preprocess import Job, detokenize, prepare_chat, prepare_completion, tokenize
 from specfork.serve.protocol import ApiError, GenerationRequest
 from specfork.serve.responses import ChunkMaker, TokenNames, response_body
 
@@ -165,6 +166,18 @@ def build_app(loop: EngineLoop, metrics: ServerMetrics, options: AppOptions) -> 
         return await generate(request, prepare_chat, "chatcmpl")
 
     app.include_router(v1)
+
+    # vLLM's tokenizer routes (outside /v1, as there; the API key applies)
+    @app.post("/tokenize", dependencies=[Depends(authorize)])
+    async def tokenize_route(request: Request) -> JSONResponse:
+        raw = await read_body(request, options.max_request_bytes, metrics)
+        return AsciiJSONResponse(await asyncio.to_thread(tokenize, raw, engine, served))
+
+    @app.post("/detokenize", dependencies=[Depends(authorize)])
+    async def detokenize_route(request: Request) -> JSONResponse:
+        raw = await read_body(request, options.max_request_bytes, metrics)
+        return AsciiJSONResponse(await asyncio.to_thread(detokenize, raw, engine, served))
+
     return app
 
 

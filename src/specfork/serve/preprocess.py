@@ -14,7 +14,14 @@ from dataclasses import dataclass
 from specfork.engine.llm_engine import LLMEngine
 from specfork.errors import SpecforkError
 from specfork.sampling_params import SamplingParams, choice_seed
-from specfork.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_request
+from specfork.serve.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    parse_request,
+)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # as the OpenAI completions API
 
@@ -92,6 +99,39 @@ def prepare_chat(raw: bytes, engine: LLMEngine, served_model_name: str) -> Job:
     if max_tokens is None:  # as OpenAI: up to the end of the context
         max_tokens = engine.max_model_len - len(prompt_ids)
     return Job(body, [prompt_ids], _sampling_params(body, max_tokens, body.top_logprobs_wanted, None))
+
+
+def tokenize(raw: bytes, engine: LLMEngine, served_model_name: str) -> dict:
+    """/tokenize's reply: the ids a completion or chat request would run on (not checked against
+    the context: the count tells whether it fits)."""
+    body = parse_request(TokenizeRequest, decode_json(raw))
+    _check_model(body.model, served_model_name)
+    if engine.tokenizer is None:
+        raise ApiError(400, "this model has no tokenizer", param="prompt")
+    try:
+        if body.prompt is not None:
+            if not body.prompt:
+                raise ApiError(400, "prompt is empty", param="prompt")
+            ids = engine.tokenizer.encode(body.prompt)
+        else:
+            ids = engine.tokenizer.apply_chat_template(
+                [m.as_template_message() for m in body.messages], add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message, template_kwargs=body.chat_template_kwargs)
+    except SpecforkError as e:
+        raise ApiError(400, str(e), param="prompt" if body.prompt is not None else "messages") from None
+    return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+
+
+def detokenize(raw: bytes, engine: LLMEngine, served_model_name: str) -> dict:
+    body = parse_request(DetokenizeRequest, decode_json(raw))
+    _check_model(body.model, served_model_name)
+    if engine.tokenizer is None:
+        raise ApiError(400, "this model has no tokenizer", param="tokens")
+    vocab = engine.loaded.arch.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < vocab]
+    if bad:
+        raise ApiError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens")
+    return {"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
 
 def _check_model(name: str, served: str) -> None:

@@ -292,7 +292,38 @@ class ChatCompletionRequest(GenerationRequest):
         return "top_logprobs" if param == "logprobs" else param
 
 
-def parse_request(model: type[GenerationRequest], body: object) -> GenerationRequest:
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a text (``prompt``) or a conversation (``messages``, rendered by the chat
+    template as /v1/chat/completions renders it)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    # Only the endpoint's own settings (the tokenizer's for a text, none for a conversation).
+    add_special_tokens: bool | None = None
+
+    @model_validator(mode="after")
+    def _text_or_conversation(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send either 'prompt' (a text) or 'messages' (a conversation)")
+        if self.add_special_tokens is not None and self.add_special_tokens != (self.prompt is not None):
+            raise ValueError(f"add_special_tokens: {self.add_special_tokens} is not supported by this server")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's /detokenize: token ids back to text (special tokens included)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str
+    tokens: list[int]
+
+
+def parse_request(model: type[BaseModel], body: object) -> BaseModel:
     """Validate a decoded JSON body; the first problem becomes a 400 naming the field."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
@@ -310,7 +341,8 @@ def parse_request(model: type[GenerationRequest], body: object) -> GenerationReq
             got = f" (got {_short(first['input'])})" if "input" in first else ""
             message = f"{loc}: {message}{got}"
         raise ApiError(400, message, param=loc or None) from None
-    request.refuse_unsupported()
+    if isinstance(request, GenerationRequest):
+        request.refuse_unsupported()
     return request
 
 
