@@ -172,15 +172,18 @@ class LLMEngine:
     def check_prompt_ids(self, ids: list[int]) -> None:
         if not ids:
             raise PromptError("prompt is empty (it encodes to no tokens)")
-        vocab = self.loaded.arch.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise PromptError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        self.check_vocabulary(ids)
         if len(ids) >= self.max_model_len:
             raise PromptError(
                 f"prompt has {len(ids)} tokens but the context holds {self.max_model_len} "
                 "(prompt plus at least one generated token)"
             )
+
+    def check_vocabulary(self, ids: list[int]) -> None:
+        vocab = self.loaded.arch.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise PromptError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
 
     def check_length(self, prompt_len: int, max_tokens: int) -> None:
         """The one length rule of every entry point (API, CLI, server): the prompt plus

@@ -58,6 +58,10 @@ def read_gguf_config(reader: GGUFFile, path: Path) -> ModelArchConfig:
     _refuse_unsupported_features(reader, arch, path)
     heads = int(need("attention.head_count"))
     hidden = int(need("embedding_length"))
+    head_dim = int(optional("attention.key_length", hidden // heads))
+    rotary = int(optional("rope.dimension_count", head_dim))
+    if rotary != head_dim:
+        raise ModelLoadError(f"{path}: RoPE on {rotary} of each head's {head_dim} dimensions is not supported")
     names = {t.name for t in reader.tensors}
     vocab = reader.get(f"{arch}.vocab_size")
     if vocab is None:
@@ -80,7 +84,7 @@ def read_gguf_config(reader: GGUFFile, path: Path) -> ModelArchConfig:
         num_layers=int(need("block_count")),
         num_heads=heads,
         num_kv_heads=int(optional("attention.head_count_kv", heads)),
-        head_dim=int(optional("attention.key_length", hidden // heads)),
+        head_dim=head_dim,
         rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
         rope_theta=float(optional("rope.freq_base", 10000.0)),
         max_position_embeddings=int(need("context_length")),
@@ -118,12 +122,6 @@ def _refuse_unsupported_features(reader: GGUFFile, arch: str, path: Path) -> Non
     experts = reader.get(f"{arch}.expert_count")
     if experts:
         raise ModelLoadError(f"{path}: mixture-of-experts models ({experts} experts) are not supported")
-    rotary, key_length = reader.get(f"{arch}.rope.dimension_count"), reader.get(f"{arch}.attention.key_length")
-    heads, hidden = reader.get(f"{arch}.attention.head_count"), reader.get(f"{arch}.embedding_length")
-    head_dim = key_length if key_length is not None else (
-        hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 else None)
-    if isinstance(rotary, int) and isinstance(head_dim, int) and rotary != head_dim:
-        raise ModelLoadError(f"{path}: RoPE on {rotary} of each head's {head_dim} dimensions is not supported")
 
 
 def gguf_name(name: str) -> str | None:

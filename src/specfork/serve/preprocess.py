@@ -89,16 +89,20 @@ def prepare_chat(raw: bytes, engine: LLMEngine, served_model_name: str) -> Job:
     body = parse_request(ChatCompletionRequest, decode_json(raw))
     _check_model(body.model, served_model_name)
     try:
-        prompt_ids = engine.encode_chat([m.as_template_message() for m in body.messages],
-                                        add_generation_prompt=body.add_generation_prompt,
-                                        continue_final_message=body.continue_final_message,
-                                        template_kwargs=body.chat_template_kwargs)
+        prompt_ids = _render_conversation(body, engine.encode_chat)
     except SpecforkError as e:
         raise ApiError(400, str(e), param="messages") from None
     max_tokens = body.token_limit
     if max_tokens is None:  # as OpenAI: up to the end of the context
         max_tokens = engine.max_model_len - len(prompt_ids)
     return Job(body, [prompt_ids], _sampling_params(body, max_tokens, body.top_logprobs_wanted, None))
+
+
+def _render_conversation(body: ChatCompletionRequest | TokenizeRequest, render) -> list[int]:
+    """The request's messages through ``render`` (the engine's ``encode_chat``, or the tokenizer's
+    ``apply_chat_template``), with its template options."""
+    return render([m.as_template_message() for m in body.messages], add_generation_prompt=body.add_generation_prompt,
+                  continue_final_message=body.continue_final_message, template_kwargs=body.chat_template_kwargs)
 
 
 def tokenize(raw: bytes, engine: LLMEngine, served_model_name: str) -> dict:
@@ -114,9 +118,7 @@ def tokenize(raw: bytes, engine: LLMEngine, served_model_name: str) -> dict:
                 raise ApiError(400, "prompt is empty", param="prompt")
             ids = engine.tokenizer.encode(body.prompt)
         else:
-            ids = engine.tokenizer.apply_chat_template(
-                [m.as_template_message() for m in body.messages], add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message, template_kwargs=body.chat_template_kwargs)
+            ids = _render_conversation(body, engine.tokenizer.apply_chat_template)  # no context check here
     except SpecforkError as e:
         raise ApiError(400, str(e), param="prompt" if body.prompt is not None else "messages") from None
     return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
@@ -127,10 +129,10 @@ def detokenize(raw: bytes, engine: LLMEngine, served_model_name: str) -> dict:
     _check_model(body.model, served_model_name)
     if engine.tokenizer is None:
         raise ApiError(400, "this model has no tokenizer", param="tokens")
-    vocab = engine.loaded.arch.vocab_size
-    bad = [t for t in body.tokens if not 0 <= t < vocab]
-    if bad:
-        raise ApiError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens")
+    try:
+        engine.check_vocabulary(body.tokens)
+    except SpecforkError as e:
+        raise ApiError(400, str(e), param="tokens") from None
     return {"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
 

@@ -252,24 +252,14 @@ class ChatMessage(BaseModel):
         return message if self.name is None else {**message, "name": self.name}
 
 
-class ChatCompletionRequest(GenerationRequest):
-    NEUTRAL_HERE: ClassVar[dict[str, tuple]] = {"add_special_tokens": (False,)}  # the template writes them
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+class ChatTemplateOptions(BaseModel):
+    """How a request's conversation is rendered (vLLM's extensions): chat completions and /tokenize."""
+
     add_generation_prompt: bool = Field(True, description="open the assistant's turn (extension, as in vLLM)")
     continue_final_message: bool = Field(
         False, description="leave the last message open and continue it (extension, as in vLLM)")
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="further variables for the chat template (extension, as in vLLM)")
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _top_needs_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
-        if top and not info.data.get("logprobs"):
-            raise ValueError("needs logprobs: true")
-        return top
 
     @field_validator("continue_final_message")
     @classmethod
@@ -277,6 +267,21 @@ class ChatCompletionRequest(GenerationRequest):
         if continue_final and info.data.get("add_generation_prompt", True):
             raise ValueError("needs add_generation_prompt: false")
         return continue_final
+
+
+class ChatCompletionRequest(GenerationRequest, ChatTemplateOptions):
+    NEUTRAL_HERE: ClassVar[dict[str, tuple]] = {"add_special_tokens": (False,)}  # the template writes them
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true")
+        return top
 
     @property
     def top_logprobs_wanted(self) -> int | None:
@@ -292,7 +297,7 @@ class ChatCompletionRequest(GenerationRequest):
         return "top_logprobs" if param == "logprobs" else param
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(ChatTemplateOptions):
     """vLLM's /tokenize: a text (``prompt``) or a conversation (``messages``, rendered by the chat
     template as /v1/chat/completions renders it)."""
 
@@ -300,9 +305,6 @@ class TokenizeRequest(BaseModel):
     model: str
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
     # Only the endpoint's own settings (the tokenizer's for a text, none for a conversation).
     add_special_tokens: bool | None = None
 
