@@ -14,6 +14,7 @@ from specfork import LLM, SamplingParams
 from specfork.sampling import logits_to_probs
 
 VOCAB = 8
+EOS = 7
 PROMPT = [1, 3, 5]
 NUM_TOKENS = 5
 
@@ -22,7 +23,7 @@ def tiny_model(path, seed):
     torch.manual_seed(seed)
     model = llama(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                   bos_token_id=1, eos_token_id=7, tie_word_embeddings=False).float().eval()
+                   bos_token_id=1, eos_token_id=EOS, tie_word_embeddings=False).float().eval()
     randomize_(model, seed)
     with torch.no_grad():  # sharper conditionals: distributions far from uniform
         model.lm_head.weight.mul_(3.0)
@@ -38,6 +39,7 @@ def exact_joint(hf_model, params: SamplingParams, n: int) -> dict[tuple[int, ...
         prefixes = list(joint)
         ids = torch.tensor([PROMPT + list(p) for p in prefixes])
         logits = hf_model(ids).logits[:, -1].float()
+        logits = torch.stack([reference_adjusted(row, prefix, params) for row, prefix in zip(logits, prefixes, strict=True)])
         rows = len(prefixes)
         probs = logits_to_probs(logits, torch.full((rows,), params.temperature), torch.full((rows,), params.top_k),
                                 torch.full((rows,), params.top_p))
@@ -48,6 +50,29 @@ def exact_joint(hf_model, params: SamplingParams, n: int) -> dict[tuple[int, ...
                     nxt[p + (tok,)] = joint[p] * pr
         joint = nxt
     return joint
+
+
+def reference_adjusted(logits: torch.Tensor, prefix: tuple[int, ...], params: SamplingParams) -> torch.Tensor:
+    """The logits of one row after ``params``' penalties, min_tokens and min_p, written out token by
+    token as vLLM documents them (min_p on the probabilities at the request's temperature)."""
+    row = logits.clone()
+    if len(prefix) < params.min_tokens:
+        for token in set(params.stop_token_ids) | (set() if params.ignore_eos else {EOS}):
+            row[token] = float("-inf")
+    for token in set(PROMPT) | set(prefix):
+        value = float(row[token])
+        row[token] = value / params.repetition_penalty if value > 0 else value * params.repetition_penalty
+    for token, count in Counter(prefix).items():
+        row[token] -= params.frequency_penalty * count + params.presence_penalty
+    if params.min_p > 0:
+        probs = torch.softmax(row / params.temperature, dim=-1)
+        row[probs < params.min_p * probs.max()] = float("-inf")
+    return row
+
+
+def sampling_params(seed: int, params_kw: dict) -> SamplingParams:
+    """A losslessness test's request: NUM_TOKENS tokens, EOS ignored unless the setting says."""
+    return SamplingParams(**{"max_tokens": NUM_TOKENS, "ignore_eos": True, "seed": seed, **params_kw})
 
 
 def marginal(joint, positions):
@@ -95,6 +120,10 @@ SETTINGS = {
     "temperature": dict(temperature=1.0),
     "top-k": dict(temperature=0.8, top_k=4),
     "top-p": dict(temperature=1.3, top_p=0.8),
+    # the adjustments that read the tokens before each position (drafts included, in a window)
+    "penalties": dict(temperature=1.0, repetition_penalty=1.6, frequency_penalty=0.7, presence_penalty=0.4),
+    # EOS held back at every position, min_p with top-p after it
+    "min-p": dict(temperature=1.3, min_p=0.1, top_p=0.9, min_tokens=NUM_TOKENS, ignore_eos=False),
 }
 
 
@@ -117,7 +146,7 @@ def sample_ssd(models, params_kw, backup, saguaro, num_samples, device="cpu", **
     options (tensor parallelism, the drafter as a rank)."""
     llm = LLM(models["target"], mode="ssd", draft=models["draft"], k=3, fan_out=2, backup=backup,
               saguaro_x=saguaro, max_num_seqs=512, kv_cache_tokens=512 * 16, device=device, **options)
-    params = [SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, seed=i, **params_kw) for i in range(num_samples)]
+    params = [sampling_params(i, params_kw) for i in range(num_samples)]
     try:
         outs = llm.generate([PROMPT] * num_samples, params)
         assert llm.engine.step_strategy.proposer.failure is None

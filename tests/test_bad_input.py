@@ -240,7 +240,7 @@ def test_cli_options_must_be_spelled_in_full_and_unknown_ones_name_their_nearest
     assert "see `specfork bench --help`" in r.stderr
     r = run_main("generate", "--prompt", "Hi", "--max-token=3", "--no-such-thing")
     assert r.returncode == 2
-    assert "unrecognized options: --max-token (did you mean --max-tokens?), --no-such-thing" in r.stderr
+    assert "unrecognized options: --max-token (did you mean --max-tokens or --min-tokens?), --no-such-thing" in r.stderr
 
 
 def test_cli_prompts_file_errors(tmp_path, tiny_dir):

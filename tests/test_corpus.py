@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from lossless import NUM_TOKENS, PROMPT, SETTINGS, check, exact_joint
+from lossless import NUM_TOKENS, PROMPT, SETTINGS, check, exact_joint, sampling_params
 
 from specfork import LLM, SamplingParams
 from specfork.config import Config
@@ -194,8 +194,7 @@ def test_sampling_with_corpus_lookups_is_lossless(head_pair, tmp_path):
     n = 6000
     llm = LLM(head_pair["target"], mode="sd", draft=head_pair["draft"], k=3, lookup_first=2, lookup_corpus=str(path),
               max_num_seqs=512, kv_cache_tokens=512 * 16)
-    outs = llm.generate([PROMPT] * n, [SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, seed=i, **params_kw)
-                                       for i in range(n)])
+    outs = llm.generate([PROMPT] * n, [sampling_params(i, params_kw) for i in range(n)])
     by_source = aggregate_metrics(outs)["by_source"]
     assert all(by_source[s]["rounds"] > n // 20 for s in ("lookup", "corpus", "draft")), by_source
     assert 0 < by_source["corpus"]["accepted"] < by_source["corpus"]["proposed"]

@@ -7,7 +7,17 @@ import pytest
 import torch
 from eagle3_heads import HEAD_DRAFT_IDS
 from helpers import assert_greedy_match, head_step_inputs, step_logits
-from lossless import NUM_TOKENS, PROMPT, SETTINGS, check, exact_joint, marginal, sample_ssd, ssd_models
+from lossless import (
+    NUM_TOKENS,
+    PROMPT,
+    SETTINGS,
+    check,
+    exact_joint,
+    marginal,
+    sample_ssd,
+    sampling_params,
+    ssd_models,
+)
 
 from specfork import LLM, SamplingParams
 
@@ -136,8 +146,7 @@ def test_cuda_sd_with_a_reduced_vocabulary_head_is_lossless(head_pair):
     n = 6000
     llm = LLM(head_pair["target"], device="cuda", mode="sd", draft=head_pair["draft"], k=3, max_num_seqs=512,
               kv_cache_tokens=512 * 16)
-    outs = llm.generate([PROMPT] * n, [SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, seed=i, **params_kw)
-                                       for i in range(n)])
+    outs = llm.generate([PROMPT] * n, [sampling_params(i, params_kw) for i in range(n)])
     assert 0 < sum(o.metrics["draft_tokens_accepted"] for o in outs) < sum(
         o.metrics["draft_tokens_proposed"] for o in outs)
     for name, (stat, dof, limit) in check([tuple(o.token_ids) for o in outs], joint).items():

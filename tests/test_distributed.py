@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 from helpers import assert_greedy_match, max_abs_diff, prefill_logits
-from lossless import NUM_TOKENS, PROMPT, SETTINGS, check, exact_joint, sample_ssd
+from lossless import NUM_TOKENS, PROMPT, SETTINGS, check, exact_joint, sample_ssd, sampling_params
 
 from specfork import LLM, SamplingParams
 from specfork.errors import EngineFailure, ModelLoadError, SpecforkError
@@ -116,7 +116,7 @@ def test_tp2_speculative_sampling_is_lossless(draft_pair):
     joint = exact_joint(draft_pair["hf_target"], SamplingParams(**params_kw), NUM_TOKENS)
     with LLM(draft_pair["target"], mode="sd", draft=draft_pair["draft"], k=3, max_num_seqs=512,
              kv_cache_tokens=512 * 16, tensor_parallel_size=2) as llm:
-        params = [SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, seed=i, **params_kw) for i in range(n)]
+        params = [sampling_params(i, params_kw) for i in range(n)]
         outs = llm.generate([PROMPT] * n, params)
     accepted = sum(o.metrics["draft_tokens_accepted"] for o in outs)
     assert 0 < accepted < sum(o.metrics["draft_tokens_proposed"] for o in outs)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from eagle3_heads import HEAD_DRAFT_IDS as DRAFT_IDS
 from eagle3_heads import plain_head, plain_head_logits, write_tiny_head
-from lossless import NUM_TOKENS, PROMPT, SETTINGS, VOCAB, check, exact_joint, marginal
+from lossless import NUM_TOKENS, PROMPT, SETTINGS, VOCAB, check, exact_joint, marginal, sampling_params
 from safetensors.torch import load_file, save_file
 
 from specfork import LLM, SamplingParams
@@ -257,8 +257,7 @@ def test_sd_with_a_reduced_vocabulary_head_is_lossless(head_pair, setting, confi
     n = 12000
     llm = LLM(head_pair["target"], mode="sd", draft=head_pair["draft"], k=3, max_num_seqs=512,
               kv_cache_tokens=512 * 16, draft_confidence=confidence)
-    outs = llm.generate([PROMPT] * n, [SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, seed=i, **params_kw)
-                                       for i in range(n)])
+    outs = llm.generate([PROMPT] * n, [sampling_params(i, params_kw) for i in range(n)])
     accepted = sum(o.metrics["draft_tokens_accepted"] for o in outs)
     proposed = sum(o.metrics["draft_tokens_proposed"] for o in outs)
     assert 0 < accepted < proposed

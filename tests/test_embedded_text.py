@@ -26,6 +26,29 @@ def test_stop_string_cuts_text_and_finishes(ar_det):
     assert kept.text == stop.text + "5" and kept.token_ids == stop.token_ids
 
 
+def test_min_tokens_passes_stop_strings_and_eos_in_its_first_tokens(ar_det):
+    """As vLLM: within the first min_tokens tokens EOS is held back and a stop string does not
+    count; one that ends after them does (even if it began within them)."""
+    count = [{"role": "user", "content": "Count from 1 to 20, separated by commas."}]
+    free = ar_det.chat(count, SamplingParams(temperature=0.0, max_tokens=60))[0]
+    decode = ar_det.engine.tokenizer.decode
+    early = decode(free.token_ids[:7])  # "1. 1\n2." as this model counts
+    assert early.count(".") >= 2  # stop strings it passes
+    later = free.text.index(".", len(early))
+    out = ar_det.chat(count, SamplingParams(temperature=0.0, max_tokens=60, stop=(".",), min_tokens=7))[0]
+    assert out.finish_reason == "stop" and out.text == free.text[:later]
+    assert out.token_ids == free.token_ids[: len(out.token_ids)] and len(out.token_ids) > 7
+    # a stop string that began within them and ends after them counts
+    across = ar_det.chat(count, SamplingParams(temperature=0.0, max_tokens=60, stop=(". 2",), min_tokens=7))[0]
+    assert across.finish_reason == "stop" and across.text == free.text[: free.text.index(". 2")]
+
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    short = ar_det.chat(question, SamplingParams(temperature=0.0, max_tokens=40))[0]
+    assert short.token_ids[-1] == 2
+    longer = ar_det.chat(question, SamplingParams(temperature=0.0, max_tokens=40, min_tokens=len(short.token_ids) + 4))[0]
+    assert len(longer.token_ids) >= len(short.token_ids) + 4 and 2 not in longer.token_ids[: len(short.token_ids) + 4]
+
+
 def test_chat_reply_is_sensible(ar_det):
     out = ar_det.chat([{"role": "user", "content": "What is the capital of France?"}],
                       SamplingParams(temperature=0.0, max_tokens=32))[0]

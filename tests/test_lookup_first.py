@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from eagle3_heads import HEAD_DRAFT_IDS as DRAFT_IDS
-from lossless import NUM_TOKENS, PROMPT, SETTINGS, check, exact_joint, marginal
+from lossless import NUM_TOKENS, PROMPT, SETTINGS, check, exact_joint, marginal, sampling_params
 
 from specfork import LLM, SamplingParams
 from specfork.config import Config
@@ -133,8 +133,7 @@ def test_sampling_with_lookups_and_a_reduced_vocabulary_head_is_lossless(head_pa
     n = 6000
     llm = LLM(head_pair["target"], mode="sd", draft=head_pair["draft"], k=3, lookup_first=2, max_num_seqs=512,
               kv_cache_tokens=512 * 16)
-    outs = llm.generate([PROMPT] * n, [SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, seed=i, **params_kw)
-                                       for i in range(n)])
+    outs = llm.generate([PROMPT] * n, [sampling_params(i, params_kw) for i in range(n)])
     by_source = aggregate_metrics(outs)["by_source"]
     assert by_source["lookup"]["rounds"] > n // 10 and by_source["draft"]["rounds"] > n // 10
     accepted = sum(o.metrics["draft_tokens_accepted"] for o in outs)

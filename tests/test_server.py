@@ -174,10 +174,14 @@ BAD_REQUESTS = [
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "best_of": 1, "n": 2}), "'best_of' other than n"),
     ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                                          "top_logprobs": 2}), "top_logprobs: needs logprobs: true"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "min_p": 1.5}), "min_p must be in [0, 1]"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "repetition_penalty": 0}),
+     "repetition_penalty must be finite and > 0"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 4, "min_tokens": 5}),
+     "min_tokens must be an integer in [0, max_tokens = 4]"),
     # fields that were accepted and ignored: vLLM's sampling extensions, tools, unknown names
-    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "min_p": 0.5}), "'min_p' is not supported"),
-    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "repetition_penalty": 2.0}),
-     "'repetition_penalty' is not supported"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "length_penalty": 2.0}),
+     "'length_penalty' is not supported"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "use_beam_search": 0}),
      "'use_beam_search' is not supported"),  # 0 is not False
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "guided_choice": ["a", "b"]}),
@@ -255,10 +259,11 @@ def test_bad_input_is_a_400_naming_the_problem(server, path, body, message):
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
-    ("/v1/completions", {"prompt": "hi", "frequency_penalty": 1.0}, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "hi", "frequency_penalty": 2.5}, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "hi", "length_penalty": 2.0}, "length_penalty"),
     ("/v1/completions", {"prompt": "hi", "temprature": 0}, "temprature"),
 ], ids=["completions-max_tokens", "chat-max_tokens", "chat-max_completion_tokens", "prompt", "top_p",
-        "stream_options", "top_logprobs", "unsupported", "unknown"])
+        "stream_options", "top_logprobs", "out-of-range", "unsupported", "unknown"])
 def test_a_refused_request_names_its_parameter_as_the_request_did(server, path, body, param):
     """The engine's own rules (prompt plus max_tokens within the context) are checked when it
     admits the request; the error body's param names the field the request used."""
@@ -297,6 +302,23 @@ def test_optional_fields_sent_as_null_take_their_defaults(server):
             "top_logprobs": None, "max_completion_tokens": None, "temperature": None, "n": None}
     status, reply = server.post("/v1/chat/completions", json.dumps(chat))
     assert status == 200 and reply["choices"][0]["logprobs"] is None, reply
+
+
+def test_penalties_min_p_and_min_tokens_reach_the_engine(server, offline):
+    """OpenAI's presence and frequency penalties (the client's own arguments) and vLLM's
+    repetition_penalty, min_p and min_tokens give what the Python API gives."""
+    client = server.client()
+    prompt = "List the days of the week:"
+    settings = {"presence_penalty": 0.8, "frequency_penalty": 1.2}
+    extra = {"repetition_penalty": 1.3, "min_p": 0.2, "min_tokens": 20}
+    expected = offline.generate(prompt, SamplingParams(temperature=0.7, max_tokens=24, seed=5, **settings, **extra))[0]
+    plain = offline.generate(prompt, SamplingParams(temperature=0.7, max_tokens=24, seed=5))[0]
+    assert expected.text != plain.text
+    for stream in (False, True):
+        got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0.7, seed=5, stream=stream,
+                                        **settings, extra_body=extra)
+        text = "".join(c.choices[0].text for c in got if c.choices) if stream else got.choices[0].text
+        assert text == expected.text, stream
 
 
 def test_vllm_extensions_the_engine_has_are_honoured_and_neutral_values_accepted(server, offline):

@@ -8,7 +8,7 @@ from itertools import product
 
 import pytest
 import torch
-from lossless import NUM_TOKENS, PROMPT, SETTINGS, VOCAB, check, exact_joint, tiny_model
+from lossless import NUM_TOKENS, PROMPT, SETTINGS, VOCAB, check, exact_joint, sampling_params, tiny_model
 
 from specfork import LLM, SamplingParams
 from specfork.native_kernels import kernels as native_kernels
@@ -29,7 +29,7 @@ def models(tmp_path_factory):
 def sample_sd(models, params_kw, *, k=3, n=NUM_SAMPLES, expect_rejections=True):
     llm = LLM(models["target"], mode="sd", draft=models["draft"], k=k, max_num_seqs=512,
               kv_cache_tokens=512 * 16)
-    params = [SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, seed=i, **params_kw) for i in range(n)]
+    params = [sampling_params(i, params_kw) for i in range(n)]
     outs = llm.generate([PROMPT] * n, params)
     assert all(len(o.token_ids) == NUM_TOKENS for o in outs)
     rounds = sum(o.metrics["spec_rounds"] for o in outs)

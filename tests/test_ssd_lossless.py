@@ -17,6 +17,8 @@ CASES = {  # backup, Saguaro coefficient, sampling setting
     "fast": ("fast", None, "temperature"),
     "fast-saguaro-top-p": ("fast", 0.5, "top-p"),
     "jit-top-k": ("jit", None, "top-k"),
+    "jit-penalties": ("jit", None, "penalties"),
+    "fast-saguaro-min-p": ("fast", 0.5, "min-p"),
 }
 
 

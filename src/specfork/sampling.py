@@ -1,5 +1,10 @@
 """Token sampling, the one module every decoding mode draws through.
 
+``adjusted_logits`` applies a request's penalties, ``min_tokens`` and ``min_p`` to the target's
+logits (each row after the very tokens it follows, drafts included in a verify window), before AR
+sampling and speculative verification alike. Drafters draw without them: verification needs only
+the distribution each draft was drawn from, and adjusting the EAGLE-3 head's own logits the same
+way bought no acceptance (docs/decisions.md).
 ``logits_to_probs`` is the one filter (temperature, then top-k, then top-p), so autoregressive
 sampling, draft proposals and speculative verification all see the very same distribution for a
 request; on the CPU its native form (``csrc/sampling.cpp``, tested to keep the same tokens) runs in
@@ -12,6 +17,8 @@ verification stays exact.
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -21,6 +28,95 @@ import torch
 from specfork.sampling_params import SamplingParams
 
 Reshape = Callable[[torch.Tensor], torch.Tensor]  # [N, V] probabilities -> [N, V] probabilities
+
+
+@dataclass(frozen=True, slots=True)
+class TokenHistory:
+    """What a request's logit adjustments read: its settings, the tokens its next logits follow
+    (the prompt's ``num_prompt_tokens``, then the output), and the tokens ``min_tokens`` holds back
+    (EOS unless ignored, and the stop token ids). ``drafts`` make it a verify window: its row j
+    follows ``token_ids + drafts[:j]``. (Built every step for every request: it copies nothing.)"""
+
+    params: SamplingParams
+    token_ids: Sequence[int]
+    num_prompt_tokens: int
+    stop_ids: frozenset[int]
+    drafts: Sequence[int] = ()
+
+    @property
+    def rows(self) -> int:
+        return len(self.drafts) + 1
+
+
+def adjusted_logits(logits: torch.Tensor, histories: Sequence[TokenHistory]) -> torch.Tensor:
+    """``logits`` [N, V] with each request's adjustments applied in vLLM's order: ``min_tokens``
+    (its held-back tokens at -inf while the output is shorter), ``repetition_penalty`` (the logits
+    of tokens in the prompt or output divided by it where positive, multiplied where not),
+    ``frequency_penalty`` x each token's count in the output and ``presence_penalty`` for each token
+    present subtracted, then ``min_p`` for sampled rows (-inf for every token whose probability at
+    the request's temperature is below min_p x the largest: a logit more than temperature x
+    -log(min_p) under the largest).
+
+    ``histories[i]`` covers ``histories[i].rows`` consecutive rows. Every row is adjusted by the
+    same element-wise operations whatever shares its call, so AR and verification see the same
+    numbers. Returns ``logits`` itself when no request adjusts anything (the common case costs one
+    pass over the settings); otherwise a copy."""
+    if not any(h.params.adjusts_logits for h in histories):
+        return logits
+    if sum(h.rows for h in histories) != logits.shape[0]:
+        raise ValueError(f"{logits.shape[0]} rows of logits for histories of {sum(h.rows for h in histories)} rows")
+    out = logits.clone()
+    first = 0
+    for history in histories:
+        if history.params.adjusts_logits:
+            _adjust_window(out[first : first + history.rows], history)
+        first += history.rows
+    return out
+
+
+def _adjust_window(rows: torch.Tensor, history: TokenHistory) -> None:
+    """``adjusted_logits`` for one request's consecutive rows, in place, all rows at once: a
+    penalty touches only the columns of the tokens it applies to, each from the first row whose
+    history holds the token. In NumPy (the rows copied over and back off the CPU): PyTorch's
+    comparisons into a bool mask took ~60 us a row of 49152 on one core, NumPy's a tenth of it."""
+    params, (n, vocab) = history.params, rows.shape
+    on_cpu = rows.device.type == "cpu" and rows.dtype == torch.float32
+    a = rows.numpy() if on_cpu else rows.float().cpu().numpy()
+    num_output = len(history.token_ids) - history.num_prompt_tokens
+    drafts = list(history.drafts[: n - 1])
+    held_back = [t for t in history.stop_ids if t < vocab]
+    short = min(n, params.min_tokens - num_output)  # rows whose output is still under min_tokens
+    if short > 0 and held_back:
+        a[:short, held_back] = -np.inf
+    if params.repetition_penalty != 1.0:
+        first_row = dict.fromkeys(history.token_ids, 0)  # a token's first row: 0, or 1 + its first draft
+        for i, token in enumerate(drafts):
+            first_row.setdefault(token, i + 1)
+        ids = np.fromiter(first_row, dtype=np.int64, count=len(first_row))
+        applies = np.arange(n)[:, None] >= np.fromiter(first_row.values(), dtype=np.int64, count=len(first_row))
+        values, penalty = a[:, ids], np.float32(params.repetition_penalty)
+        a[:, ids] = np.where(applies, np.where(values > 0, values / penalty, values * penalty), values)
+    if params.frequency_penalty != 0.0 or params.presence_penalty != 0.0:
+        counts = Counter(history.token_ids[history.num_prompt_tokens :])
+        column = {token: c for c, token in enumerate([*counts, *(t for t in dict.fromkeys(drafts) if t not in counts)])}
+        times = np.zeros((n, len(column)), dtype=np.float32)  # each token's count in each row's output
+        times[:, : len(counts)] = np.fromiter(counts.values(), dtype=np.float32, count=len(counts))
+        for i, token in enumerate(drafts):
+            times[i + 1 :, column[token]] += 1
+        ids = np.fromiter(column, dtype=np.int64, count=len(column))
+        present = (times > 0).astype(np.float32)
+        a[:, ids] = (a[:, ids] - np.float32(params.frequency_penalty) * times
+                     - np.float32(params.presence_penalty) * present)
+    if params.min_p > 0.0 and not params.greedy:
+        # p < min_p * p_max at temperature T  <=>  logit < largest + T * log(min_p)
+        floor = a.max(axis=1) + np.float32(params.temperature * math.log(params.min_p))
+        for row, lowest in zip(a, floor, strict=True):  # few tokens stay: keep them, fill the rest (a masked
+            kept = np.flatnonzero(row >= lowest)        # store took 5x as long)
+            values = row[kept]
+            row.fill(-np.inf)
+            row[kept] = values
+    if not on_cpu:
+        rows.copy_(torch.from_numpy(a))
 
 
 def sampling_tensors(

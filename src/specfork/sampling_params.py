@@ -22,6 +22,12 @@ class SamplingParams:
     temperature == 0 means greedy decoding; top_k == 0 and top_p == 1.0 disable those filters.
     A request with ``seed`` set produces the same tokens whatever else shares its batch.
 
+    The logits are adjusted as vLLM's sampler adjusts them, in its order, before any filter:
+    ``min_tokens`` holds back EOS (unless ignored) and ``stop_token_ids``; ``repetition_penalty``
+    (tokens of the prompt and output), ``frequency_penalty`` and ``presence_penalty`` (tokens of
+    the output); then, after temperature, ``min_p``. Every decoding mode samples and verifies from
+    the adjusted logits (``specfork.sampling.adjusted_logits``), so speculation stays exact.
+
     ``logprobs`` (None: off) asks for the target model's log-probability of every generated
     token plus that many most likely alternatives per position; ``prompt_logprobs`` the same for
     the prompt's tokens (from the second on). Both are of the model's own distribution (the
@@ -31,7 +37,16 @@ class SamplingParams:
     temperature: float = option(1.0, "0 = greedy")
     top_p: float = option(1.0, "nucleus sampling mass in (0, 1]; 1 = off")
     top_k: int = option(0, "keep the k most likely tokens; 0 = off")
+    min_p: float = option(0.0, "drop the tokens less likely than min_p x the most likely one; 0 = off")
+    repetition_penalty: float = option(
+        1.0, "divide the positive logits of tokens already in the prompt or output by this (multiply the "
+        "negative ones); 1 = off")
+    presence_penalty: float = option(0.0, "subtract this from the logit of every token already in the output "
+                                     "(-2..2); 0 = off")
+    frequency_penalty: float = option(0.0, "subtract this x its count in the output from each token's logit "
+                                      "(-2..2); 0 = off")
     max_tokens: int = option(16, "tokens to generate at most")
+    min_tokens: int = option(0, "tokens to generate before EOS, a stop token id or a stop string may end the output")
     seed: int | None = option(None, cli=False)  # per request (the API's seed); the command line seeds the engine
     ignore_eos: bool = option(False, "keep generating after EOS (fixed-length outputs)")
     stop: tuple[str, ...] = option(default_factory=tuple, help="stop string (repeatable)", repeat=True)
@@ -60,6 +75,20 @@ class SamplingParams:
             raise SpecforkError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", param="max_tokens")
         object.__setattr__(self, "top_k", top_k)
         object.__setattr__(self, "max_tokens", max_tokens)
+        min_tokens = _integer(self.min_tokens)
+        if min_tokens is None or not 0 <= min_tokens <= max_tokens:
+            raise SpecforkError(f"min_tokens must be an integer in [0, max_tokens = {max_tokens}], got "
+                                f"{self.min_tokens!r}", param="min_tokens")
+        object.__setattr__(self, "min_tokens", min_tokens)
+        ranges = {"min_p": ("in [0, 1]", lambda v: 0.0 <= v <= 1.0),
+                  "repetition_penalty": ("finite and > 0", lambda v: 0.0 < v < math.inf),
+                  "presence_penalty": ("in [-2, 2]", lambda v: -2.0 <= v <= 2.0),
+                  "frequency_penalty": ("in [-2, 2]", lambda v: -2.0 <= v <= 2.0)}
+        for name, (allowed, within) in ranges.items():
+            value = _real(getattr(self, name))
+            if value is None or not within(value):  # NaN too
+                raise SpecforkError(f"{name} must be {allowed}, got {getattr(self, name)!r}", param=name)
+            object.__setattr__(self, name, value)
         if self.seed is not None:
             seed = _integer(self.seed)
             if seed is None or not SEED_MIN <= seed <= SEED_MAX:
@@ -81,6 +110,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether ``specfork.sampling.adjusted_logits`` changes this request's logits."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.min_tokens > 0 or (self.min_p > 0.0 and not self.greedy))
 
 
 def choice_seed(seed: int, index: int) -> int:

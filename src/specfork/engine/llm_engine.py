@@ -202,7 +202,8 @@ class LLMEngine:
         gen = torch.Generator(device=self.device)
         # Any engine seed works: the derived seed is taken modulo 2**64 (small seeds are unchanged).
         gen.manual_seed(params.seed if params.seed is not None else (self.config.seed * 1_000_003 + seq_id) & 0xFFFF_FFFF_FFFF_FFFF)
-        seq = Sequence(seq_id, prompt_ids, params, gen)
+        stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        seq = Sequence(seq_id, prompt_ids, params, gen, stops)
         self.scheduler.add(seq)
         return seq
 
@@ -290,15 +291,17 @@ class LLMEngine:
         return StepUpdate(seq, [], True, error=message)
 
     def _append(self, seq: Sequence, tokens: list[int]) -> list[int]:
-        """Append tokens one by one, stopping at the first stop condition."""
+        """Append tokens one by one, stopping at the first stop condition. (A stop token cannot come
+        before ``min_tokens``: sampling holds it back; a stop string counts once the output is
+        longer, as in vLLM.)"""
         params = seq.params
         accepted = []
         for tok in tokens:
             seq.token_ids.append(tok)
             accepted.append(tok)
-            if self._is_stop_token(tok, params):
+            if tok in seq.stop_ids:
                 seq.finish_reason = "stop"
-            elif params.stop and self._hit_stop_string(seq):
+            elif params.stop and seq.num_output_tokens > params.min_tokens and self._hit_stop_string(seq):
                 seq.finish_reason = "stop"
             elif seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
                 seq.finish_reason = "length"
@@ -309,16 +312,21 @@ class LLMEngine:
     def _hit_stop_string(self, seq: Sequence) -> bool:
         if self.tokenizer is None:
             return False
-        return _first_stop(self._decode_output(seq), seq.params.stop)[0] >= 0
+        return _first_stop(self._decode_output(seq), seq.params.stop, self._stops_from(seq))[0] >= 0
 
-    def _is_stop_token(self, tok: int, params: SamplingParams) -> bool:
-        return (tok in self.eos_token_ids and not params.ignore_eos) or tok in params.stop_token_ids
+    def _stops_from(self, seq: Sequence) -> int:
+        """Where in the output's text a stop string may end, at the earliest: past the text of its
+        first ``min_tokens`` tokens."""
+        if seq.params.min_tokens == 0:
+            return 0
+        ids = seq.output_token_ids[: seq.params.min_tokens]
+        return len(self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)) + 1
 
     def _decode_output(self, seq: Sequence) -> str:
         """The output's text. A token that ended it (EOS or a stop id) is left out, as vLLM does,
         unless ``include_stop_str_in_output``; it stays in the token ids."""
         ids = seq.output_token_ids
-        if (seq.finish_reason == "stop" and ids and self._is_stop_token(ids[-1], seq.params)
+        if (seq.finish_reason == "stop" and ids and ids[-1] in seq.stop_ids
                 and not seq.params.include_stop_str_in_output):
             ids = ids[:-1]
         return self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
@@ -329,7 +337,7 @@ class LLMEngine:
         if self.tokenizer is None:
             return ""
         text = self._decode_output(seq)
-        cut, stop = _first_stop(text, seq.params.stop)
+        cut, stop = _first_stop(text, seq.params.stop, self._stops_from(seq))
         if cut < 0:
             return text
         return text[: cut + len(stop)] if seq.params.include_stop_str_in_output else text[:cut]
@@ -406,10 +414,11 @@ def _start_world(config: Config, num_blocks: int, extra_roles: tuple):
     return world
 
 
-def _first_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str]:
-    """Index of the earliest stop string in ``text`` and that string (the longest of those found
+def _first_stop(text: str, stops: tuple[str, ...], ends_from: int = 0) -> tuple[int, str]:
+    """Index of the earliest stop string in ``text`` that ends at character ``ends_from`` or later
+    (its end: the index after its last character), and that string (the longest of those found
     there), or (-1, "")."""
-    found = [(i, -len(stop), stop) for stop in stops if (i := text.find(stop)) >= 0]
+    found = [(i, -len(stop), stop) for stop in stops if (i := text.find(stop, max(0, ends_from - len(stop)))) >= 0]
     if not found:
         return -1, ""
     index, _, stop = min(found)

@@ -8,6 +8,7 @@ from enum import Enum
 import torch
 
 from specfork.outputs import TokenLogprob
+from specfork.sampling import TokenHistory
 from specfork.sampling_params import SamplingParams
 
 
@@ -25,12 +26,14 @@ class Sequence:
     """
 
     def __init__(
-        self, seq_id: int, prompt_token_ids: list[int], params: SamplingParams, generator: torch.Generator
+        self, seq_id: int, prompt_token_ids: list[int], params: SamplingParams, generator: torch.Generator,
+        stop_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.seq_id = seq_id
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
+        self.stop_ids = stop_ids  # the tokens that end the output: EOS unless ignored, and the stop token ids
         self.generator = generator
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
@@ -60,6 +63,11 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    def history(self, drafts: list[int] | tuple[int, ...] = ()) -> TokenHistory:
+        """What the request's logit adjustments read for its next token (and, with ``drafts``, for
+        the tokens after each of them: a verify window)."""
+        return TokenHistory(self.params, self.token_ids, self.num_prompt_tokens, self.stop_ids, drafts)
 
     @property
     def num_uncached_tokens(self) -> int:

@@ -13,7 +13,7 @@ from specfork.engine.model_runner import ModelRunner
 from specfork.engine.scheduler import ScheduledBatch
 from specfork.engine.sequence import Sequence
 from specfork.outputs import TokenLogprob
-from specfork.sampling import sample_tokens
+from specfork.sampling import adjusted_logits, sample_tokens
 
 
 @dataclass(slots=True)
@@ -67,9 +67,11 @@ class Step(Protocol):
 
 
 def sample_new_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> dict[Sequence, NewTokens]:
-    """One token per row of ``logits`` [N, V] (row i belongs to ``seqs[i]``), with its
-    log-probability for the requests that asked for it."""
-    tokens = sample_tokens(logits, [s.params for s in seqs], [s.generator for s in seqs])
+    """One token per row of ``logits`` [N, V] (row i belongs to ``seqs[i]``), drawn after the
+    requests' logit adjustments, with its log-probability (of the model's own logits) for the
+    requests that asked for it."""
+    adjusted = adjusted_logits(logits, [s.history() for s in seqs])
+    tokens = sample_tokens(adjusted, [s.params for s in seqs], [s.generator for s in seqs])
     return {s: NewTokens([t], _logprobs(logits, i, t, s)) for i, (s, t) in enumerate(zip(seqs, tokens, strict=True))}
 
 

@@ -148,7 +148,9 @@ def _sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens
     prompt and max_tokens fit the context is the engine's rule, checked when it adds the request."""
     try:
         first = SamplingParams(
-            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, max_tokens=max_tokens,
+            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+            repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty, max_tokens=max_tokens, min_tokens=body.min_tokens,
             seed=body.seed, stop=body.stops, stop_token_ids=tuple(body.stop_token_ids or ()),
             include_stop_str_in_output=body.include_stop_str_in_output, skip_special_tokens=body.skip_special_tokens,
             ignore_eos=body.ignore_eos, logprobs=logprobs,

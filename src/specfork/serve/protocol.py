@@ -60,12 +60,7 @@ Text = Annotated[str, AfterValidator(_valid_unicode)]
 # request is refused as unknown, as OpenAI's API does.
 _NEUTRAL: dict[str, tuple] = {
     "suffix": ("",),
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    "repetition_penalty": (1,),
     "length_penalty": (1,),
-    "min_p": (0,),
-    "min_tokens": (0,),
     "logit_bias": ({},),
     "bad_words": ([],),
     "use_beam_search": (False,),
@@ -104,6 +99,12 @@ class GenerationRequest(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, description="keep the k most likely tokens (extension; 0 or -1 = off)")
+    # ranges checked by SamplingParams, as from the Python API
+    min_p: float = Field(0.0, description="drop tokens less likely than min_p x the likeliest (extension, as in vLLM)")
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = Field(1.0, description="penalise tokens of the prompt and output (extension, as in vLLM)")
+    min_tokens: int = Field(0, description="tokens before EOS or a stop may end a choice (extension, as in vLLM)")
     seed: int | None = None
     stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = Field(None, description="token ids that end a choice (extension, as in vLLM)")

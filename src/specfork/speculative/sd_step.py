@@ -13,7 +13,7 @@ from specfork.engine.model_runner import ModelRunner
 from specfork.engine.scheduler import ScheduledBatch
 from specfork.engine.sequence import Sequence
 from specfork.engine.step import NewTokens, StepHealth, sample_new_tokens
-from specfork.sampling import filtered_probs, greedy_tokens, native_sampler
+from specfork.sampling import adjusted_logits, filtered_probs, greedy_tokens, native_sampler
 from specfork.speculative.auto_k import AutoK
 from specfork.speculative.proposer import Proposal, Proposer
 from specfork.speculative.rejection import verify_greedy, verify_sampled, verify_sampled_logits
@@ -205,6 +205,8 @@ class SpeculativeStep:
 
     def _verify(self, seqs: list[Sequence], proposal: Proposal, logits: torch.Tensor):
         spans = _spans([len(props) + 1 for props in proposal.tokens])  # (first logits row, rows) per sequence
+        # Verified as AR samples: each row after its request's adjustments, the drafts before it included.
+        logits = adjusted_logits(logits, [s.history(props) for s, props in zip(seqs, proposal.tokens, strict=True)])
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
         # A sampled request is verified from its logits by the native kernel (when built); otherwise
         # every verify position is filtered with the request's own settings first, as AR sampling does.

@@ -1,0 +1,175 @@
+"""Penalties, min_tokens and min_p: the logits every mode samples and verifies from, checked by
+hand, against transformers' own processors, and through speculation (greedy SD and SSD equal AR
+with them; the chi-square tests in test_spec_lossless / test_ssd_lossless cover sampling)."""
+
+import math
+
+import pytest
+import torch
+from builders import build_tiny_checkpoint
+from helpers import assert_greedy_match
+from lossless import EOS, PROMPT
+
+from specfork import LLM, SamplingParams, SpecforkError
+from specfork.sampling import TokenHistory, adjusted_logits
+from specfork.speculative.proposer import Proposal, StatelessProposer
+
+INF = float("inf")
+
+
+def test_each_adjustment_by_hand():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]])
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25, min_tokens=3)
+    history = TokenHistory(params, token_ids=[0, 1, 3, 3], num_prompt_tokens=2, stop_ids=frozenset({5, 9}))
+    # token 0 (prompt, positive) halved; 1 (prompt, negative) doubled; 3 (output twice, positive)
+    # halved then 2 x 0.5 + 0.25 taken off; 5 held back (2 tokens out of min_tokens 3); 9 is past the vocabulary
+    expected = torch.tensor([[1.0, -2.0, 0.5, 3.0 / 2 - 1.0 - 0.25, -2.0, -INF]])
+    assert torch.equal(adjusted_logits(logits, [history]), expected)
+    assert torch.equal(logits, torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]])), "the input is left as it was"
+    # min_p at temperature 2: the largest logit 3, kept: logits >= 3 + 2 log(0.2) = -0.22
+    min_p = TokenHistory(SamplingParams(temperature=2.0, min_p=0.2), [0], 1, frozenset())
+    assert torch.equal(adjusted_logits(logits, [min_p]), torch.tensor([[2.0, -INF, 0.5, 3.0, -INF, 1.0]]))
+    # greedy: min_p changes nothing the argmax sees, so it is not applied
+    assert adjusted_logits(logits, [TokenHistory(SamplingParams(temperature=0.0, min_p=0.9), [0], 1, frozenset())]) is logits
+
+
+def test_min_tokens_holds_back_the_stop_tokens_until_the_output_is_long_enough():
+    logits = torch.zeros(4, 6)
+    params = SamplingParams(min_tokens=3)
+    window = TokenHistory(params, [0, 1], num_prompt_tokens=1, stop_ids=frozenset({2, 4}), drafts=[5, 5, 5])
+    out = adjusted_logits(logits, [window])
+    held = out[:, [2, 4]] == -INF
+    assert held.tolist() == [[True, True], [True, True], [False, False], [False, False]]  # 1, 2, then 3 tokens out
+
+
+def test_a_window_row_is_adjusted_as_the_same_row_alone_after_its_drafts():
+    """Verification adjusts row j after the drafts before it, exactly as AR adjusts that row when
+    those drafts are its output: the same numbers, bit for bit, whatever shares the call."""
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0.7, min_p=0.05, repetition_penalty=1.3, frequency_penalty=0.4,
+                            presence_penalty=-0.3, min_tokens=4)
+    prompt, output, drafts = [3, 7, 7, 11], [7, 2, 40], [2, 2, 9, 40, 51]
+    logits = torch.randn(len(drafts) + 1, 64, generator=gen) * 3
+    other = TokenHistory(SamplingParams(repetition_penalty=1.1), [1, 4], 1, frozenset({0}))
+    window = adjusted_logits(torch.cat([torch.randn(1, 64, generator=gen), logits]),
+                             [other, TokenHistory(params, prompt + output, len(prompt), frozenset({2}), drafts)])[1:]
+    for j in range(len(drafts) + 1):
+        alone = adjusted_logits(logits[j : j + 1], [TokenHistory(params, prompt + output + drafts[:j], len(prompt), frozenset({2}))])
+        assert torch.equal(window[j], alone[0]), j
+    assert (window == -INF).any() and (window[0] != logits[0]).any()
+
+
+def test_histories_must_cover_the_rows():
+    with pytest.raises(ValueError, match="3 rows of logits for histories of 2 rows"):
+        adjusted_logits(torch.zeros(3, 4), [TokenHistory(SamplingParams(min_tokens=1), [0], 1, frozenset(), [1])])
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("min_p", 1.5, r"min_p must be in \[0, 1\]"),
+    ("repetition_penalty", 0.0, "repetition_penalty must be finite and > 0"),
+    ("presence_penalty", -2.5, r"presence_penalty must be in \[-2, 2\]"),
+    ("frequency_penalty", math.nan, r"frequency_penalty must be in \[-2, 2\]"),
+    ("min_tokens", 17, r"min_tokens must be an integer in \[0, max_tokens = 16\]"),
+    ("min_tokens", 1.0, "min_tokens must be an integer"),
+])
+def test_bad_settings_are_clear_errors(field, value, message):
+    with pytest.raises(SpecforkError, match=message) as error:
+        SamplingParams(**{field: value})
+    assert error.value.param == field
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_checkpoint("llama-gqa-tied", tmp_path_factory.mktemp("adjust"), seed=31)
+
+
+def test_ar_with_a_repetition_penalty_and_min_tokens_is_transformers_greedy_with_its_processors(tiny):
+    from transformers import AutoModelForCausalLM
+
+    prompt = [1, 17, 40, 17, 40, 17, 40, 99]
+    llm = LLM(str(tiny.path), deterministic=True)
+    plain = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24))[0].token_ids
+    stop = plain[1]  # a stop token the plain output meets at once
+    params = SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.8, min_tokens=6, stop_token_ids=(stop,))
+    ours = llm.generate([prompt], params)[0].token_ids
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny.path), dtype=torch.float32).eval()
+    out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=24, repetition_penalty=1.8,
+                      min_new_tokens=6, eos_token_id=[2, stop], pad_token_id=0, output_scores=True,
+                      return_dict_in_generate=True)
+    theirs = out.sequences[0, len(prompt):].tolist()
+    assert_greedy_match(ours, theirs, [s[0] for s in out.scores])
+    assert len(ours) >= 6 and ours != plain[: len(ours)]
+
+
+@pytest.fixture(scope="module")
+def adjusted_requests():
+    """Four requests on the 8-token target, each adjusting its logits another way (EOS counts)."""
+    return [
+        SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.7),
+        SamplingParams(temperature=0.0, max_tokens=24, frequency_penalty=0.9, presence_penalty=0.5, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=24, min_tokens=12, stop_token_ids=(0,)),
+        SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=0.8, presence_penalty=-0.5, ignore_eos=True),
+    ]
+
+
+PROMPTS = [PROMPT, [2, 4], [6, 1, 1, 0, 3], [5]]
+
+
+@pytest.fixture(scope="module")
+def ar_adjusted(draft_pair, adjusted_requests):
+    llm = LLM(draft_pair["target"], deterministic=True)
+    outs = [o.token_ids for o in llm.generate(PROMPTS, adjusted_requests)]
+    plain = [o.token_ids for o in llm.generate(PROMPTS, [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                                                                        stop_token_ids=p.stop_token_ids)
+                                                         for p in adjusted_requests])]
+    for adjusted, unadjusted in zip(outs, plain, strict=True):  # each request's adjustment changes its output
+        assert adjusted != unadjusted
+    assert EOS not in outs[2][:12] and 0 not in outs[2][:12]
+    return outs
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_sd_with_adjusted_logits_equals_ar(draft_pair, adjusted_requests, ar_adjusted, k):
+    llm = LLM(draft_pair["target"], mode="sd", draft=draft_pair["draft"], k=k, deterministic=True)
+    outs = llm.generate(PROMPTS, adjusted_requests)
+    assert [o.token_ids for o in outs] == ar_adjusted
+    assert 0 < sum(o.metrics["draft_tokens_accepted"] for o in outs) < sum(o.metrics["draft_tokens_proposed"] for o in outs)
+
+
+class OracleProposer(StatelessProposer):
+    """Proposes each sequence's AR continuation, the last token of every other proposal wrong: long
+    accepted runs whose later rows are adjusted after the drafts before them, and rejections."""
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]]) -> None:
+        self.continuations = continuations
+        self.rounds = 0
+
+    def propose(self, seqs, num_tokens):
+        tokens = []
+        for seq, n in zip(seqs, num_tokens, strict=True):
+            done = seq.num_output_tokens
+            props = list(self.continuations[tuple(seq.prompt_token_ids)][done : done + n])
+            self.rounds += 1
+            if props and self.rounds % 2:
+                props[-1] = (props[-1] + 1) % 8
+            tokens.append(props)
+        return Proposal(tokens, None)
+
+
+def test_greedy_sd_with_drafts_that_follow_the_adjusted_output_equals_ar(draft_pair, adjusted_requests, ar_adjusted):
+    llm = LLM(draft_pair["target"], mode="sd", drafter="ngram", k=5, deterministic=True)
+    llm.engine.step_strategy.proposer = OracleProposer({tuple(p): o for p, o in zip(PROMPTS, ar_adjusted, strict=True)})
+    outs = llm.generate(PROMPTS, adjusted_requests)
+    assert [o.token_ids for o in outs] == ar_adjusted
+    rounds = sum(o.metrics["spec_rounds"] for o in outs)
+    assert sum(len(o.token_ids) for o in outs) > 3 * rounds  # mostly long accepted runs
+    assert sum(o.metrics["draft_tokens_accepted"] for o in outs) < sum(o.metrics["draft_tokens_proposed"] for o in outs)
+
+
+@pytest.mark.dist
+def test_greedy_ssd_with_adjusted_logits_equals_ar(draft_pair, adjusted_requests, ar_adjusted):
+    with LLM(draft_pair["target"], mode="ssd", draft=draft_pair["draft"], k=3, deterministic=True) as llm:
+        outs = llm.generate(PROMPTS, adjusted_requests)
+        assert llm.engine.step_strategy.proposer.failure is None
+    assert [o.token_ids for o in outs] == ar_adjusted
+    assert sum(o.metrics["ssd_cache_hits"] for o in outs) > 0
