@@ -56,9 +56,14 @@ def reference_adjusted(logits: torch.Tensor, prefix: tuple[int, ...], params: Sa
     """The logits of one row after ``params``' penalties, min_tokens and min_p, written out token by
     token as vLLM documents them (min_p on the probabilities at the request's temperature)."""
     row = logits.clone()
+    if params.allowed_token_ids:
+        for token in set(range(len(row))) - set(params.allowed_token_ids):
+            row[token] = float("-inf")
     if len(prefix) < params.min_tokens:
         for token in set(params.stop_token_ids) | (set() if params.ignore_eos else {EOS}):
             row[token] = float("-inf")
+    for token, bias in params.logit_bias:
+        row[token] += bias
     for token in set(PROMPT) | set(prefix):
         value = float(row[token])
         row[token] = value / params.repetition_penalty if value > 0 else value * params.repetition_penalty
@@ -121,9 +126,11 @@ SETTINGS = {
     "top-k": dict(temperature=0.8, top_k=4),
     "top-p": dict(temperature=1.3, top_p=0.8),
     # the adjustments that read the tokens before each position (drafts included, in a window)
-    "penalties": dict(temperature=1.0, repetition_penalty=1.6, frequency_penalty=0.7, presence_penalty=0.4),
-    # EOS held back at every position, min_p with top-p after it
-    "min-p": dict(temperature=1.3, min_p=0.1, top_p=0.9, min_tokens=NUM_TOKENS, ignore_eos=False),
+    "penalties": dict(temperature=1.0, repetition_penalty=1.6, frequency_penalty=0.7, presence_penalty=0.4,
+                      logit_bias={2: 1.5, 6: -1.0}),
+    # EOS held back at every position, token 4 never allowed, min_p with top-p after it
+    "min-p": dict(temperature=1.3, min_p=0.1, top_p=0.9, min_tokens=NUM_TOKENS, ignore_eos=False,
+                  allowed_token_ids=(0, 1, 2, 3, 5, 6, 7)),
 }
 
 

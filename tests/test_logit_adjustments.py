@@ -33,6 +33,14 @@ def test_each_adjustment_by_hand():
     assert adjusted_logits(logits, [TokenHistory(SamplingParams(temperature=0.0, min_p=0.9), [0], 1, frozenset())]) is logits
 
 
+def test_allowed_token_ids_and_logit_bias_by_hand():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0], [0.0, 1.0, 2.0, 3.0]])
+    params = SamplingParams(temperature=0.0, allowed_token_ids=[1, 2, 2], logit_bias={"2": -0.5, 1: 100})
+    history = TokenHistory(params, [0], 1, frozenset(), drafts=[2])
+    assert torch.equal(adjusted_logits(logits, [history]), torch.tensor([[-INF, 99.0, 0.0, -INF], [-INF, 101.0, 1.5, -INF]]))
+    assert params.logit_bias == ((1, 100.0), (2, -0.5))
+
+
 def test_min_tokens_holds_back_the_stop_tokens_until_the_output_is_long_enough():
     logits = torch.zeros(4, 6)
     params = SamplingParams(min_tokens=3)
@@ -59,6 +67,15 @@ def test_a_window_row_is_adjusted_as_the_same_row_alone_after_its_drafts():
     assert (window == -INF).any() and (window[0] != logits[0]).any()
 
 
+def test_token_ids_past_the_vocabulary_are_refused_by_name(draft_pair):
+    llm = LLM(draft_pair["target"])
+    for field, value in (("logit_bias", {8: 1.0}), ("allowed_token_ids", (1, 9))):
+        with pytest.raises(SpecforkError, match=f"{field} names token ids \\[{8 if field == 'logit_bias' else 9}\\] "
+                                                r"outside the vocabulary \[0, 8\)") as error:
+            llm.generate([PROMPT], SamplingParams(**{field: value}))
+        assert error.value.param == field
+
+
 def test_histories_must_cover_the_rows():
     with pytest.raises(ValueError, match="3 rows of logits for histories of 2 rows"):
         adjusted_logits(torch.zeros(3, 4), [TokenHistory(SamplingParams(min_tokens=1), [0], 1, frozenset(), [1])])
@@ -71,6 +88,9 @@ def test_histories_must_cover_the_rows():
     ("frequency_penalty", math.nan, r"frequency_penalty must be in \[-2, 2\]"),
     ("min_tokens", 17, r"min_tokens must be an integer in \[0, max_tokens = 16\]"),
     ("min_tokens", 1.0, "min_tokens must be an integer"),
+    ("logit_bias", {5: 101}, r"logit_bias must map token ids \(integers >= 0\) to biases in \[-100, 100\]"),
+    ("logit_bias", {"x": 1}, "logit_bias must map token ids"),
+    ("allowed_token_ids", [3, -1], "allowed_token_ids must be a list of integers >= 0"),
 ])
 def test_bad_settings_are_clear_errors(field, value, message):
     with pytest.raises(SpecforkError, match=message) as error:
@@ -108,11 +128,13 @@ def adjusted_requests():
         SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.7),
         SamplingParams(temperature=0.0, max_tokens=24, frequency_penalty=0.9, presence_penalty=0.5, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=24, min_tokens=12, stop_token_ids=(0,)),
-        SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=0.8, presence_penalty=-0.5, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=0.8, presence_penalty=-0.5, ignore_eos=True,
+                       logit_bias={3: 2.0}),
+        SamplingParams(temperature=0.0, max_tokens=24, allowed_token_ids=(0, 2, 4, 6), ignore_eos=True),
     ]
 
 
-PROMPTS = [PROMPT, [2, 4], [6, 1, 1, 0, 3], [5]]
+PROMPTS = [PROMPT, [2, 4], [6, 1, 1, 0, 3], [5], [1, 1, 7]]
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +147,7 @@ def ar_adjusted(draft_pair, adjusted_requests):
     for adjusted, unadjusted in zip(outs, plain, strict=True):  # each request's adjustment changes its output
         assert adjusted != unadjusted
     assert EOS not in outs[2][:12] and 0 not in outs[2][:12]
+    assert set(outs[4]) <= {0, 2, 4, 6}
     return outs
 
 

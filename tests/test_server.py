@@ -262,8 +262,12 @@ def test_bad_input_is_a_400_naming_the_problem(server, path, body, message):
     ("/v1/completions", {"prompt": "hi", "frequency_penalty": 2.5}, "frequency_penalty"),
     ("/v1/completions", {"prompt": "hi", "length_penalty": 2.0}, "length_penalty"),
     ("/v1/completions", {"prompt": "hi", "temprature": 0}, "temprature"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"49152": 5}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"hello": 5}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "allowed_token_ids": [1, 60000]}, "allowed_token_ids"),
 ], ids=["completions-max_tokens", "chat-max_tokens", "chat-max_completion_tokens", "prompt", "top_p",
-        "stream_options", "top_logprobs", "out-of-range", "unsupported", "unknown"])
+        "stream_options", "top_logprobs", "out-of-range", "unsupported", "unknown", "bias-past-vocab", "bias-key",
+        "allowed-past-vocab"])
 def test_a_refused_request_names_its_parameter_as_the_request_did(server, path, body, param):
     """The engine's own rules (prompt plus max_tokens within the context) are checked when it
     admits the request; the error body's param names the field the request used."""
@@ -305,13 +309,15 @@ def test_optional_fields_sent_as_null_take_their_defaults(server):
 
 
 def test_penalties_min_p_and_min_tokens_reach_the_engine(server, offline):
-    """OpenAI's presence and frequency penalties (the client's own arguments) and vLLM's
-    repetition_penalty, min_p and min_tokens give what the Python API gives."""
+    """OpenAI's presence and frequency penalties and logit bias (the client's own arguments) and
+    vLLM's repetition_penalty, min_p and min_tokens give what the Python API gives."""
     client = server.client()
     prompt = "List the days of the week:"
-    settings = {"presence_penalty": 0.8, "frequency_penalty": 1.2}
+    monday = offline.engine.tokenizer.encode(" Monday")[0]
+    settings = {"presence_penalty": 0.8, "frequency_penalty": 1.2, "logit_bias": {str(monday): -100}}
     extra = {"repetition_penalty": 1.3, "min_p": 0.2, "min_tokens": 20}
     expected = offline.generate(prompt, SamplingParams(temperature=0.7, max_tokens=24, seed=5, **settings, **extra))[0]
+    assert monday not in expected.token_ids
     plain = offline.generate(prompt, SamplingParams(temperature=0.7, max_tokens=24, seed=5))[0]
     assert expected.text != plain.text
     for stream in (False, True):

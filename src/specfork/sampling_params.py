@@ -23,7 +23,8 @@ class SamplingParams:
     A request with ``seed`` set produces the same tokens whatever else shares its batch.
 
     The logits are adjusted as vLLM's sampler adjusts them, in its order, before any filter:
-    ``min_tokens`` holds back EOS (unless ignored) and ``stop_token_ids``; ``repetition_penalty``
+    only ``allowed_token_ids`` (when given) may be drawn; ``min_tokens`` holds back EOS (unless
+    ignored) and ``stop_token_ids``; ``logit_bias`` is added; ``repetition_penalty``
     (tokens of the prompt and output), ``frequency_penalty`` and ``presence_penalty`` (tokens of
     the output); then, after temperature, ``min_p``. Every decoding mode samples and verifies from
     the adjusted logits (``specfork.sampling.adjusted_logits``), so speculation stays exact.
@@ -51,6 +52,8 @@ class SamplingParams:
     ignore_eos: bool = option(False, "keep generating after EOS (fixed-length outputs)")
     stop: tuple[str, ...] = option(default_factory=tuple, help="stop string (repeatable)", repeat=True)
     stop_token_ids: tuple[int, ...] = option(default_factory=tuple, cli=False)
+    logit_bias: tuple[tuple[int, float], ...] = option(default_factory=tuple, cli=False)  # (id, bias): a dict too
+    allowed_token_ids: tuple[int, ...] = option(default_factory=tuple, cli=False)  # only these (empty: all)
     include_stop_str_in_output: bool = option(False, cli=False)  # the stop string ends the text (vLLM's name)
     skip_special_tokens: bool = option(True, cli=False)  # special tokens (EOS, chat markup) left out of the text
     logprobs: int | None = option(None, cli=False)
@@ -58,7 +61,9 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _stop_strings(self.stop))
-        object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids, "stop_token_ids"))
+        object.__setattr__(self, "allowed_token_ids", _token_ids(self.allowed_token_ids, "allowed_token_ids"))
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         temperature = _real(self.temperature)
         if temperature is None or not 0 <= temperature < math.inf:  # NaN too
             raise SpecforkError(f"temperature must be a finite number >= 0, got {self.temperature!r}", param="temperature")
@@ -115,7 +120,8 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether ``specfork.sampling.adjusted_logits`` changes this request's logits."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.min_tokens > 0 or (self.min_p > 0.0 and not self.greedy))
+                or self.min_tokens > 0 or (self.min_p > 0.0 and not self.greedy) or bool(self.logit_bias)
+                or bool(self.allowed_token_ids))
 
 
 def choice_seed(seed: int, index: int) -> int:
@@ -149,10 +155,28 @@ def _stop_strings(stop: object) -> tuple[str, ...]:
     return strings
 
 
-def _token_ids(ids: object) -> tuple[int, ...]:
+def _token_ids(ids: object, name: str) -> tuple[int, ...]:
     if ids is None:
         return ()
     values = tuple(_integer(t) for t in ids) if isinstance(ids, (list, tuple)) else None
     if values is None or any(t is None or t < 0 for t in values):
-        raise SpecforkError(f"stop_token_ids must be a list of integers >= 0, got {ids!r}", param="stop_token_ids")
+        raise SpecforkError(f"{name} must be a list of integers >= 0, got {ids!r}", param=name)
     return values
+
+
+def _logit_bias(bias: object) -> tuple[tuple[int, float], ...]:
+    """(token id, bias) pairs sorted by id, from a dict or pairs; ids may be written as decimal
+    strings (JSON's object keys), biases in [-100, 100] as in OpenAI's API."""
+    if not bias:
+        return ()
+    pairs = list(bias.items()) if isinstance(bias, dict) else list(bias) if isinstance(bias, (list, tuple)) else None
+    out = {}
+    for pair in pairs if pairs is not None else [None]:
+        key, value = pair if isinstance(pair, tuple | list) and len(pair) == 2 else (None, None)
+        token = int(key) if isinstance(key, str) and key.strip().isdigit() else _integer(key)
+        amount = _real(value)
+        if token is None or token < 0 or amount is None or not -100.0 <= amount <= 100.0:
+            raise SpecforkError(f"logit_bias must map token ids (integers >= 0) to biases in [-100, 100], got {bias!r}",
+                                param="logit_bias")
+        out[token] = amount
+    return tuple(sorted(out.items()))

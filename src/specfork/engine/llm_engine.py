@@ -185,6 +185,15 @@ class LLMEngine:
         if bad:
             raise PromptError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
 
+    def check_sampling_ids(self, params: SamplingParams) -> None:
+        """The token ids a request's sampling names are the model's: a bias or an allowed id past
+        the vocabulary would otherwise fail the batch it runs in."""
+        vocab = self.loaded.arch.vocab_size
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("allowed_token_ids", params.allowed_token_ids)):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise SpecforkError(f"{name} names token ids {bad[:5]} outside the vocabulary [0, {vocab})", param=name)
+
     def check_length(self, prompt_len: int, max_tokens: int) -> None:
         """The one length rule of every entry point (API, CLI, server): the prompt plus
         ``max_tokens`` must fit in the context (``max_model_len``)."""
@@ -198,6 +207,7 @@ class LLMEngine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         self.check_prompt_ids(prompt_ids)
         self.check_length(len(prompt_ids), params.max_tokens)
+        self.check_sampling_ids(params)
         seq_id = next(self._ids)
         gen = torch.Generator(device=self.device)
         # Any engine seed works: the derived seed is taken modulo 2**64 (small seeds are unchanged).

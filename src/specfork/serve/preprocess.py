@@ -151,6 +151,7 @@ def _sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens
             temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
             repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, max_tokens=max_tokens, min_tokens=body.min_tokens,
+            logit_bias=body.logit_bias, allowed_token_ids=tuple(body.allowed_token_ids or ()),
             seed=body.seed, stop=body.stops, stop_token_ids=tuple(body.stop_token_ids or ()),
             include_stop_str_in_output=body.include_stop_str_in_output, skip_special_tokens=body.skip_special_tokens,
             ignore_eos=body.ignore_eos, logprobs=logprobs,

@@ -61,7 +61,6 @@ Text = Annotated[str, AfterValidator(_valid_unicode)]
 _NEUTRAL: dict[str, tuple] = {
     "suffix": ("",),
     "length_penalty": (1,),
-    "logit_bias": ({},),
     "bad_words": ([],),
     "use_beam_search": (False,),
     "spaces_between_special_tokens": (True,),
@@ -76,7 +75,7 @@ _NEUTRAL: dict[str, tuple] = {
     "detokenize": (True,),
     "echo": (False,),  # chat's (vLLM); completions' is declared
     # no neutral value but null
-    "allowed_token_ids": (), "truncate_prompt_tokens": (), "prompt_logprobs": (), "guided_json": (),
+    "truncate_prompt_tokens": (), "prompt_logprobs": (), "guided_json": (),
     "guided_regex": (), "guided_choice": (), "guided_grammar": (), "guided_decoding_backend": (),
     "structured_outputs": (), "chat_template": (), "audio": (), "prediction": (), "reasoning_effort": (),
     "documents": (),
@@ -105,6 +104,9 @@ class GenerationRequest(BaseModel):
     frequency_penalty: float = 0.0
     repetition_penalty: float = Field(1.0, description="penalise tokens of the prompt and output (extension, as in vLLM)")
     min_tokens: int = Field(0, description="tokens before EOS or a stop may end a choice (extension, as in vLLM)")
+    logit_bias: dict[str, float] | None = Field(None, description="token id -> bias added to its logit, -100..100")
+    allowed_token_ids: list[int] | None = Field(None, description="only these tokens may be generated (extension, as "
+                                                "in vLLM)")
     seed: int | None = None
     stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = Field(None, description="token ids that end a choice (extension, as in vLLM)")
