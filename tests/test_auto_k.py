@@ -6,6 +6,7 @@ import itertools
 import re
 
 import pytest
+from lossless import PROMPT
 
 from specfork import LLM, SamplingParams, SpecforkError
 from specfork.config import SSD_DEFAULT_K, Config
@@ -274,3 +275,13 @@ def test_k_auto_is_refused_for_ssd_and_bad_k_values():
         LLM(mode="ssd", k="auto")
     with pytest.raises(SpecforkError, match="k must be"):
         LLM(mode="sd", k="many")
+
+
+def test_k_auto_measures_within_a_short_models_positions(draft_pair):
+    """The start-up measurement's context (64 tokens and up to 9 rows) is cut to what a model of
+    64 positions holds; it failed the engine's construction with an IndexError."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    sd = LLM(draft_pair["target"], mode="sd", draft=draft_pair["draft"], k="auto", deterministic=True)
+    assert sd.engine.max_model_len == 64
+    assert sd.generate([PROMPT], params)[0].token_ids == LLM(draft_pair["target"], deterministic=True).generate(
+        [PROMPT], params)[0].token_ids
