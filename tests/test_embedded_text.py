@@ -49,6 +49,19 @@ def test_min_tokens_passes_stop_strings_and_eos_in_its_first_tokens(ar_det):
     assert len(longer.token_ids) >= len(short.token_ids) + 4 and 2 not in longer.token_ids[: len(short.token_ids) + 4]
 
 
+def test_min_tokens_ending_inside_a_character_leaves_that_character_to_the_stop_strings(ar_det):
+    """Each emoji here is three tokens. As in vLLM, the first min_tokens tokens own only the
+    characters they complete: with min_tokens 1 or 2 the first emoji, completed by token 3, may
+    already be a stop string."""
+    prompt = "😀" * 16
+    free = ar_det.generate(prompt, SamplingParams(temperature=0.0, max_tokens=9))[0]
+    assert free.text.startswith("😀😀") and len(free.token_ids[:3]) == 3
+    assert ar_det.engine.tokenizer.decode(free.token_ids[:1]) != "😀"  # a token begins the character
+    for min_tokens, cut in ((0, 3), (1, 3), (2, 3), (3, 6)):
+        out = ar_det.generate(prompt, SamplingParams(temperature=0.0, max_tokens=9, stop=("😀",), min_tokens=min_tokens))[0]
+        assert len(out.token_ids) == cut and out.text == "😀" * (cut // 3 - 1), (min_tokens, out.token_ids, out.text)
+
+
 def test_chat_reply_is_sensible(ar_det):
     out = ar_det.chat([{"role": "user", "content": "What is the capital of France?"}],
                       SamplingParams(temperature=0.0, max_tokens=32))[0]

@@ -11,10 +11,16 @@ from helpers import assert_greedy_match
 from lossless import EOS, PROMPT
 
 from specfork import LLM, SamplingParams, SpecforkError
-from specfork.sampling import TokenHistory, adjusted_logits
+from specfork.sampling import TokenHistory, adjust_logits_
 from specfork.speculative.proposer import Proposal, StatelessProposer
 
 INF = float("inf")
+
+
+def adjusted(logits: torch.Tensor, histories: list[TokenHistory]) -> torch.Tensor:
+    out = logits.clone()
+    adjust_logits_(out, histories)
+    return out
 
 
 def test_each_adjustment_by_hand():
@@ -24,20 +30,39 @@ def test_each_adjustment_by_hand():
     # token 0 (prompt, positive) halved; 1 (prompt, negative) doubled; 3 (output twice, positive)
     # halved then 2 x 0.5 + 0.25 taken off; 5 held back (2 tokens out of min_tokens 3); 9 is past the vocabulary
     expected = torch.tensor([[1.0, -2.0, 0.5, 3.0 / 2 - 1.0 - 0.25, -2.0, -INF]])
-    assert torch.equal(adjusted_logits(logits, [history]), expected)
-    assert torch.equal(logits, torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]])), "the input is left as it was"
+    assert torch.equal(adjusted(logits, [history]), expected)
     # min_p at temperature 2: the largest logit 3, kept: logits >= 3 + 2 log(0.2) = -0.22
     min_p = TokenHistory(SamplingParams(temperature=2.0, min_p=0.2), [0], 1, frozenset())
-    assert torch.equal(adjusted_logits(logits, [min_p]), torch.tensor([[2.0, -INF, 0.5, 3.0, -INF, 1.0]]))
-    # greedy: min_p changes nothing the argmax sees, so it is not applied
-    assert adjusted_logits(logits, [TokenHistory(SamplingParams(temperature=0.0, min_p=0.9), [0], 1, frozenset())]) is logits
+    assert torch.equal(adjusted(logits, [min_p]), torch.tensor([[2.0, -INF, 0.5, 3.0, -INF, 1.0]]))
+    # greedy: min_p changes nothing the argmax sees, so it is not applied; nor is a min_tokens passed
+    # or with nothing to hold back: such rows are left alone
+    for params, output, stops in ((SamplingParams(temperature=0.0, min_p=0.9), [], {5}),
+                                  (SamplingParams(min_tokens=2), [1, 1], {5}), (SamplingParams(min_tokens=2), [], set())):
+        history = TokenHistory(params, [0, *output], 1, frozenset(stops))
+        assert not history.adjusts
+        assert torch.equal(adjusted(logits, [history]), logits)
+
+
+def test_only_the_adjusting_rows_change_and_raw_copies_are_kept_where_asked():
+    logits = torch.randn(6, 6)
+    histories = [TokenHistory(SamplingParams(), [0], 1, frozenset()),  # row 0
+                 TokenHistory(SamplingParams(logit_bias={1: 2.0}), [0], 1, frozenset(), drafts=[3, 3]),  # rows 1-3
+                 TokenHistory(SamplingParams(logit_bias={2: 2.0}), [0], 1, frozenset()),  # row 4
+                 TokenHistory(SamplingParams(), [0], 1, frozenset())]  # row 5
+    out = logits.clone()
+    raw = adjust_logits_(out, histories, keep_raw={0, 1})
+    assert list(raw) == [1] and torch.equal(raw[1], logits[1:4])  # window 0 did not change: no copy
+    assert torch.equal(out[[0, 5]], logits[[0, 5]])
+    assert torch.equal(out[1:4, 1], logits[1:4, 1] + 2.0) and out[4, 2] == logits[4, 2] + 2.0
+    changed = out != logits
+    assert changed.sum() == 4
 
 
 def test_allowed_token_ids_and_logit_bias_by_hand():
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0], [0.0, 1.0, 2.0, 3.0]])
     params = SamplingParams(temperature=0.0, allowed_token_ids=[1, 2, 2], logit_bias={"2": -0.5, 1: 100})
     history = TokenHistory(params, [0], 1, frozenset(), drafts=[2])
-    assert torch.equal(adjusted_logits(logits, [history]), torch.tensor([[-INF, 99.0, 0.0, -INF], [-INF, 101.0, 1.5, -INF]]))
+    assert torch.equal(adjusted(logits, [history]), torch.tensor([[-INF, 99.0, 0.0, -INF], [-INF, 101.0, 1.5, -INF]]))
     assert params.logit_bias == ((1, 100.0), (2, -0.5))
 
 
@@ -45,7 +70,7 @@ def test_min_tokens_holds_back_the_stop_tokens_until_the_output_is_long_enough()
     logits = torch.zeros(4, 6)
     params = SamplingParams(min_tokens=3)
     window = TokenHistory(params, [0, 1], num_prompt_tokens=1, stop_ids=frozenset({2, 4}), drafts=[5, 5, 5])
-    out = adjusted_logits(logits, [window])
+    out = adjusted(logits, [window])
     held = out[:, [2, 4]] == -INF
     assert held.tolist() == [[True, True], [True, True], [False, False], [False, False]]  # 1, 2, then 3 tokens out
 
@@ -59,10 +84,10 @@ def test_a_window_row_is_adjusted_as_the_same_row_alone_after_its_drafts():
     prompt, output, drafts = [3, 7, 7, 11], [7, 2, 40], [2, 2, 9, 40, 51]
     logits = torch.randn(len(drafts) + 1, 64, generator=gen) * 3
     other = TokenHistory(SamplingParams(repetition_penalty=1.1), [1, 4], 1, frozenset({0}))
-    window = adjusted_logits(torch.cat([torch.randn(1, 64, generator=gen), logits]),
+    window = adjusted(torch.cat([torch.randn(1, 64, generator=gen), logits]),
                              [other, TokenHistory(params, prompt + output, len(prompt), frozenset({2}), drafts)])[1:]
     for j in range(len(drafts) + 1):
-        alone = adjusted_logits(logits[j : j + 1], [TokenHistory(params, prompt + output + drafts[:j], len(prompt), frozenset({2}))])
+        alone = adjusted(logits[j : j + 1], [TokenHistory(params, prompt + output + drafts[:j], len(prompt), frozenset({2}))])
         assert torch.equal(window[j], alone[0]), j
     assert (window == -INF).any() and (window[0] != logits[0]).any()
 
@@ -78,7 +103,7 @@ def test_token_ids_past_the_vocabulary_are_refused_by_name(draft_pair):
 
 def test_histories_must_cover_the_rows():
     with pytest.raises(ValueError, match="3 rows of logits for histories of 2 rows"):
-        adjusted_logits(torch.zeros(3, 4), [TokenHistory(SamplingParams(min_tokens=1), [0], 1, frozenset(), [1])])
+        adjusted(torch.zeros(3, 4), [TokenHistory(SamplingParams(min_tokens=1), [0], 1, frozenset(), [1])])
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -86,7 +111,7 @@ def test_histories_must_cover_the_rows():
     ("repetition_penalty", 0.0, "repetition_penalty must be finite and > 0"),
     ("presence_penalty", -2.5, r"presence_penalty must be in \[-2, 2\]"),
     ("frequency_penalty", math.nan, r"frequency_penalty must be in \[-2, 2\]"),
-    ("min_tokens", 17, r"min_tokens must be an integer in \[0, max_tokens = 16\]"),
+    ("min_tokens", 17, r"min_tokens must be an integer in \[0, 16\] \(at most the tokens the request may generate\)"),
     ("min_tokens", 1.0, "min_tokens must be an integer"),
     ("logit_bias", {5: 101}, r"logit_bias must map token ids \(integers >= 0\) to biases in \[-100, 100\]"),
     ("logit_bias", {"x": 1}, "logit_bias must map token ids"),

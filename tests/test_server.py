@@ -178,7 +178,7 @@ BAD_REQUESTS = [
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "repetition_penalty": 0}),
      "repetition_penalty must be finite and > 0"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 4, "min_tokens": 5}),
-     "min_tokens must be an integer in [0, max_tokens = 4]"),
+     "min_tokens must be an integer in [0, 4] (at most the tokens the request may generate)"),
     # fields that were accepted and ignored: vLLM's sampling extensions, tools, unknown names
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "length_penalty": 2.0}),
      "'length_penalty' is not supported"),

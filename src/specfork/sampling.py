@@ -1,6 +1,6 @@
 """Token sampling, the one module every decoding mode draws through.
 
-``adjusted_logits`` applies a request's penalties, ``min_tokens`` and ``min_p`` to the target's
+``adjust_logits_`` applies a request's penalties, ``min_tokens`` and ``min_p`` to the target's
 logits (each row after the very tokens it follows, drafts included in a verify window), before AR
 sampling and speculative verification alike. Drafters draw without them: verification needs only
 the distribution each draft was drawn from, and adjusting the EAGLE-3 head's own logits the same
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,12 +47,21 @@ class TokenHistory:
     def rows(self) -> int:
         return len(self.drafts) + 1
 
+    @property
+    def adjusts(self) -> bool:
+        """Whether ``adjust_logits_`` changes these rows: min_tokens only while it holds something
+        back (a request past it, or with nothing to hold back, costs nothing)."""
+        params = self.params
+        holds_back = params.min_tokens > len(self.token_ids) - self.num_prompt_tokens and bool(self.stop_ids)
+        return holds_back or params.adjusts_logits
 
-def adjusted_logits(logits: torch.Tensor, histories: Sequence[TokenHistory]) -> torch.Tensor:
-    """``logits`` [N, V] with each request's adjustments applied in vLLM's order:
-    ``allowed_token_ids`` (every other token at -inf), ``min_tokens`` (its held-back tokens at
-    -inf while the output is shorter), ``logit_bias`` added, ``repetition_penalty`` (the logits
-    of tokens in the prompt or output divided by it where positive, multiplied where not),
+
+def adjust_logits_(logits: torch.Tensor, histories: Sequence[TokenHistory],
+                   keep_raw: Container[int] = ()) -> dict[int, torch.Tensor]:
+    """Each request's adjustments applied to its rows of ``logits`` [N, V], in place, in vLLM's
+    order: ``allowed_token_ids`` (every other token at -inf), ``min_tokens`` (its held-back
+    tokens at -inf while the output is shorter), ``logit_bias`` added, ``repetition_penalty`` (the
+    logits of tokens in the prompt or output divided by it where positive, multiplied where not),
     ``frequency_penalty`` x each token's count in the output and ``presence_penalty`` for each token
     present subtracted, then ``min_p`` for sampled rows (-inf for every token whose probability at
     the request's temperature is below min_p x the largest: a logit more than temperature x
@@ -60,23 +69,26 @@ def adjusted_logits(logits: torch.Tensor, histories: Sequence[TokenHistory]) -> 
 
     ``histories[i]`` covers ``histories[i].rows`` consecutive rows. Every row is adjusted by the
     same element-wise operations whatever shares its call, so AR and verification see the same
-    numbers. Returns ``logits`` itself when no request adjusts anything (the common case costs one
-    pass over the settings); otherwise a copy."""
-    if not any(h.params.adjusts_logits for h in histories):
-        return logits
+    numbers. Only the windows that adjust are touched and nothing else is copied, so a batch pays
+    for its adjusting requests' rows alone (none: one pass over the histories). Returns, for each
+    window listed in ``keep_raw`` that changed, a copy of its rows from before (log-probabilities
+    are of the model's own logits)."""
     if sum(h.rows for h in histories) != logits.shape[0]:
         raise ValueError(f"{logits.shape[0]} rows of logits for histories of {sum(h.rows for h in histories)} rows")
-    out = logits.clone()
+    raw = {}
     first = 0
-    for history in histories:
-        if history.params.adjusts_logits:
-            _adjust_window(out[first : first + history.rows], history)
+    for i, history in enumerate(histories):
+        if history.adjusts:
+            window = logits[first : first + history.rows]
+            if i in keep_raw:
+                raw[i] = window.clone()
+            _adjust_window(window, history)
         first += history.rows
-    return out
+    return raw
 
 
 def _adjust_window(rows: torch.Tensor, history: TokenHistory) -> None:
-    """``adjusted_logits`` for one request's consecutive rows, in place, all rows at once: a
+    """``adjust_logits_`` for one request's consecutive rows, all rows at once: a
     penalty touches only the columns of the tokens it applies to, each from the first row whose
     history holds the token. In NumPy (the rows copied over and back off the CPU): PyTorch's
     comparisons into a bool mask took ~60 us a row of 49152 on one core, NumPy's a tenth of it."""

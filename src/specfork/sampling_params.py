@@ -27,7 +27,7 @@ class SamplingParams:
     ignored) and ``stop_token_ids``; ``logit_bias`` is added; ``repetition_penalty``
     (tokens of the prompt and output), ``frequency_penalty`` and ``presence_penalty`` (tokens of
     the output); then, after temperature, ``min_p``. Every decoding mode samples and verifies from
-    the adjusted logits (``specfork.sampling.adjusted_logits``), so speculation stays exact.
+    the adjusted logits (``specfork.sampling.adjust_logits_``), so speculation stays exact.
 
     ``logprobs`` (None: off) asks for the target model's log-probability of every generated
     token plus that many most likely alternatives per position; ``prompt_logprobs`` the same for
@@ -82,8 +82,8 @@ class SamplingParams:
         object.__setattr__(self, "max_tokens", max_tokens)
         min_tokens = _integer(self.min_tokens)
         if min_tokens is None or not 0 <= min_tokens <= max_tokens:
-            raise SpecforkError(f"min_tokens must be an integer in [0, max_tokens = {max_tokens}], got "
-                                f"{self.min_tokens!r}", param="min_tokens")
+            raise SpecforkError(f"min_tokens must be an integer in [0, {max_tokens}] (at most the tokens the request "
+                                f"may generate), got {self.min_tokens!r}", param="min_tokens")
         object.__setattr__(self, "min_tokens", min_tokens)
         ranges = {"min_p": ("in [0, 1]", lambda v: 0.0 <= v <= 1.0),
                   "repetition_penalty": ("finite and > 0", lambda v: 0.0 < v < math.inf),
@@ -118,10 +118,10 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether ``specfork.sampling.adjusted_logits`` changes this request's logits."""
+        """Whether ``specfork.sampling.adjust_logits_`` changes this request's logits whatever its
+        output so far (min_tokens aside: ``TokenHistory.adjusts`` decides it from the output)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.min_tokens > 0 or (self.min_p > 0.0 and not self.greedy) or bool(self.logit_bias)
-                or bool(self.allowed_token_ids))
+                or (self.min_p > 0.0 and not self.greedy) or bool(self.logit_bias) or bool(self.allowed_token_ids))
 
 
 def choice_seed(seed: int, index: int) -> int:

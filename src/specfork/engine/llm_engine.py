@@ -326,11 +326,13 @@ class LLMEngine:
 
     def _stops_from(self, seq: Sequence) -> int:
         """Where in the output's text a stop string may end, at the earliest: past the text of its
-        first ``min_tokens`` tokens."""
+        first ``min_tokens`` tokens (a character they only began is not theirs: vLLM's detokenizer
+        has not emitted it yet)."""
         if seq.params.min_tokens == 0:
             return 0
         ids = seq.output_token_ids[: seq.params.min_tokens]
-        return len(self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)) + 1
+        text = self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
+        return len(text.rstrip("\ufffd")) + 1
 
     def _decode_output(self, seq: Sequence) -> str:
         """The output's text. A token that ended it (EOS or a stop id) is left out, as vLLM does,

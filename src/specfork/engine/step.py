@@ -13,7 +13,7 @@ from specfork.engine.model_runner import ModelRunner
 from specfork.engine.scheduler import ScheduledBatch
 from specfork.engine.sequence import Sequence
 from specfork.outputs import TokenLogprob
-from specfork.sampling import adjusted_logits, sample_tokens
+from specfork.sampling import adjust_logits_, sample_tokens
 
 
 @dataclass(slots=True)
@@ -68,17 +68,19 @@ class Step(Protocol):
 
 def sample_new_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> dict[Sequence, NewTokens]:
     """One token per row of ``logits`` [N, V] (row i belongs to ``seqs[i]``), drawn after the
-    requests' logit adjustments, with its log-probability (of the model's own logits) for the
-    requests that asked for it."""
-    adjusted = adjusted_logits(logits, [s.history() for s in seqs])
-    tokens = sample_tokens(adjusted, [s.params for s in seqs], [s.generator for s in seqs])
-    return {s: NewTokens([t], _logprobs(logits, i, t, s)) for i, (s, t) in enumerate(zip(seqs, tokens, strict=True))}
+    requests' logit adjustments (made in place), with its log-probability (of the model's own
+    logits) for the requests that asked for it."""
+    raw = adjust_logits_(logits, [s.history() for s in seqs],
+                         keep_raw={i for i, s in enumerate(seqs) if s.params.logprobs is not None})
+    tokens = sample_tokens(logits, [s.params for s in seqs], [s.generator for s in seqs])
+    return {s: NewTokens([t], _logprobs(raw.get(i, logits[i : i + 1]), t, s))
+            for i, (s, t) in enumerate(zip(seqs, tokens, strict=True))}
 
 
-def _logprobs(logits: torch.Tensor, row: int, token: int, seq: Sequence) -> list[TokenLogprob] | None:
+def _logprobs(row: torch.Tensor, token: int, seq: Sequence) -> list[TokenLogprob] | None:
     if seq.params.logprobs is None:
         return None
-    return logprob_entries(logits[row : row + 1], [token], seq.params.logprobs)
+    return logprob_entries(row, [token], seq.params.logprobs)
 
 
 class AutoregressiveStep:

@@ -13,7 +13,7 @@ from specfork.engine.model_runner import ModelRunner
 from specfork.engine.scheduler import ScheduledBatch
 from specfork.engine.sequence import Sequence
 from specfork.engine.step import NewTokens, StepHealth, sample_new_tokens
-from specfork.sampling import adjusted_logits, filtered_probs, greedy_tokens, native_sampler
+from specfork.sampling import adjust_logits_, filtered_probs, greedy_tokens, native_sampler
 from specfork.speculative.auto_k import AutoK
 from specfork.speculative.proposer import Proposal, Proposer
 from specfork.speculative.rejection import verify_greedy, verify_sampled, verify_sampled_logits
@@ -120,6 +120,9 @@ class SpeculativeStep:
         t1 = time.perf_counter()
         logits = self._score(seqs, proposal)
         t2 = time.perf_counter()
+        # Verified as AR samples: each row after its request's adjustments, the drafts before it included.
+        raw = adjust_logits_(logits, [s.history(props) for s, props in zip(seqs, proposal.tokens, strict=True)],
+                             keep_raw={i for i, s in enumerate(seqs) if s.params.logprobs is not None})
         results, spans = self._verify(seqs, proposal, logits)
         draft_s, target_s = t1 - t0, t2 - t1
         # The last committed token and the accepted proposals: the positions the target keeps.
@@ -127,7 +130,8 @@ class SpeculativeStep:
                              [(first, 1 + r.num_accepted) for (first, _), r in zip(spans, results, strict=True)])
         out = {}
         sources = proposal.sources or [None] * len(seqs)
-        for seq, props, result, (first, _), source in zip(seqs, proposal.tokens, results, spans, sources, strict=True):
+        for i, (seq, props, result, (first, _), source) in enumerate(zip(seqs, proposal.tokens, results, spans, sources,
+                                                                        strict=True)):
             # The last committed token and the accepted proposals are now in the target cache.
             seq.num_cached_tokens += 1 + result.num_accepted
             self._accepted[seq.seq_id] = result.num_accepted
@@ -139,7 +143,7 @@ class SpeculativeStep:
             logprobs = None
             if seq.params.logprobs is not None:
                 # Row first + j of the verify pass is the target's distribution for token j.
-                rows = logits[first : first + len(result.tokens)]
+                rows = (raw[i] if i in raw else logits[first:])[: len(result.tokens)]
                 logprobs = logprob_entries(rows, result.tokens, seq.params.logprobs)
             out[seq] = NewTokens(result.tokens, logprobs)
         if self.auto_k is not None:
@@ -205,8 +209,6 @@ class SpeculativeStep:
 
     def _verify(self, seqs: list[Sequence], proposal: Proposal, logits: torch.Tensor):
         spans = _spans([len(props) + 1 for props in proposal.tokens])  # (first logits row, rows) per sequence
-        # Verified as AR samples: each row after its request's adjustments, the drafts before it included.
-        logits = adjusted_logits(logits, [s.history(props) for s, props in zip(seqs, proposal.tokens, strict=True)])
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
         # A sampled request is verified from its logits by the native kernel (when built); otherwise
         # every verify position is filtered with the request's own settings first, as AR sampling does.
