@@ -43,6 +43,16 @@ def test_each_adjustment_by_hand():
         assert torch.equal(adjusted(logits, [history]), logits)
 
 
+def test_rows_off_the_cpu_or_not_float32_are_adjusted_through_a_copy_and_written_back():
+    """(The path CUDA logits take; float64 rows on the CPU take it too.)"""
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]], dtype=torch.float64)
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25, min_tokens=3)
+    history = TokenHistory(params, token_ids=[0, 1, 3, 3], num_prompt_tokens=2, stop_ids=frozenset({5}))
+    adjust_logits_(logits, [history])
+    assert logits.dtype == torch.float64
+    assert torch.equal(logits, torch.tensor([[1.0, -2.0, 0.5, 3.0 / 2 - 1.0 - 0.25, -2.0, -INF]], dtype=torch.float64))
+
+
 def test_only_the_adjusting_rows_change_and_raw_copies_are_kept_where_asked():
     logits = torch.randn(6, 6)
     histories = [TokenHistory(SamplingParams(), [0], 1, frozenset()),  # row 0
