@@ -1,10 +1,11 @@
 """Token sampling, the one module every decoding mode draws through.
 
-``adjust_logits_`` applies a request's penalties, ``min_tokens`` and ``min_p`` to the target's
-logits (each row after the very tokens it follows, drafts included in a verify window), before AR
-sampling and speculative verification alike. Drafters draw without them: verification needs only
-the distribution each draft was drawn from, and adjusting the EAGLE-3 head's own logits the same
-way bought no acceptance (docs/decisions.md).
+``adjust_logits_`` applies a request's allowed ids, ``min_tokens``, logit bias, penalties and
+``min_p`` to the target's logits (each row after the very tokens it follows, drafts included in a
+verify window), before AR sampling and speculative verification alike. Drafters draw without
+them: verification needs only the distribution each draft was drawn from, and adjusting the
+EAGLE-3 head's own logits the same way bought no acceptance (docs/decisions.md).
+
 ``logits_to_probs`` is the one filter (temperature, then top-k, then top-p), so autoregressive
 sampling, draft proposals and speculative verification all see the very same distribution for a
 request; on the CPU its native form (``csrc/sampling.cpp``, tested to keep the same tokens) runs in
