@@ -277,11 +277,14 @@ def test_k_auto_is_refused_for_ssd_and_bad_k_values():
         LLM(mode="sd", k="many")
 
 
-def test_k_auto_measures_within_a_short_models_positions(draft_pair):
-    """The start-up measurement's context (64 tokens and up to 9 rows) is cut to what a model of
-    64 positions holds; it failed the engine's construction with an IndexError."""
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    sd = LLM(draft_pair["target"], mode="sd", draft=draft_pair["draft"], k="auto", deterministic=True)
-    assert sd.engine.max_model_len == 64
+@pytest.mark.parametrize("max_model_len", [None, 16])
+def test_k_auto_measures_within_a_short_models_positions(draft_pair, max_model_len):
+    """The start-up measurement's context (64 tokens and up to 9 rows) is cut to the positions the
+    target and the draft were built for (a model of 64, or a shorter --max-model-len); it failed
+    the engine's construction with an IndexError."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    sd = LLM(draft_pair["target"], mode="sd", draft=draft_pair["draft"], k="auto", deterministic=True,
+             max_model_len=max_model_len)
+    assert sd.engine.max_model_len == (max_model_len or 64)
     assert sd.generate([PROMPT], params)[0].token_ids == LLM(draft_pair["target"], deterministic=True).generate(
         [PROMPT], params)[0].token_ids

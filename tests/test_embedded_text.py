@@ -4,7 +4,8 @@ n-gram speculative decoding on HumanEval prompts (bit-identical to AR in determi
 import pytest
 from helpers import humaneval_prompts
 
-from specfork import LLM, SamplingParams
+from specfork import LLM, SamplingParams, SpecforkError
+from specfork.speculative.proposer import Proposal, StatelessProposer
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +61,39 @@ def test_min_tokens_ending_inside_a_character_leaves_that_character_to_the_stop_
     for min_tokens, cut in ((0, 3), (1, 3), (2, 3), (3, 6)):
         out = ar_det.generate(prompt, SamplingParams(temperature=0.0, max_tokens=9, stop=("😀",), min_tokens=min_tokens))[0]
         assert len(out.token_ids) == cut and out.text == "😀" * (cut // 3 - 1), (min_tokens, out.token_ids, out.text)
+
+
+def test_bad_words_are_never_completed_and_sd_still_equals_ar(ar_det):
+    """A bad word's last token is held back wherever its first tokens end the text so far (vLLM's
+    rule, each word alone and after a space); greedy SD with the shipped head verifies each
+    window row after the drafts before it, so it equals AR."""
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    plain = ar_det.chat(question, SamplingParams(temperature=0.0, max_tokens=30))[0]
+    assert "Paris" in plain.text and "capital of" in plain.text
+    params = SamplingParams(temperature=0.0, max_tokens=30, bad_words=["Paris", "capital of"])
+    out = ar_det.chat(question, params)[0]
+    assert "Paris" not in out.text and "capital of" not in out.text, out.text
+    assert ar_det.engine.bad_word_ids(params) == ((38634,), (7042,), (29721, 282), (3575, 282))
+    with pytest.raises(SpecforkError, match="every token of allowed_token_ids is a bad word"):
+        ar_det.generate("x", SamplingParams(allowed_token_ids=[38634, 7042], bad_words=["Paris"]))
+    with LLM(mode="sd", k=4, deterministic=True) as sd:
+        assert sd.chat(question, params)[0].token_ids == out.token_ids
+        # drafts that replay the unconstrained reply ("The capital of France is Paris."): the row
+        # after the draft "capital" must hold "of" back
+        sd.engine.step_strategy.proposer = Replay(plain.token_ids)
+        replayed = sd.chat(question, params)[0]
+        assert replayed.token_ids == out.token_ids and replayed.metrics["draft_tokens_accepted"] >= 1
+
+
+class Replay(StatelessProposer):
+    """Proposes the tokens of a given output at the sequence's position, whatever it holds."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+    def propose(self, seqs, num_tokens):
+        return Proposal([self.tokens[s.num_output_tokens : s.num_output_tokens + n] for s, n in
+                         zip(seqs, num_tokens, strict=True)], None)
 
 
 def test_chat_reply_is_sensible(ar_det):

@@ -44,8 +44,10 @@ def test_each_adjustment_by_hand():
 
 
 def test_rows_off_the_cpu_or_not_float32_are_adjusted_through_a_copy_and_written_back():
-    """(The path CUDA logits take; float64 rows on the CPU take it too.)"""
-    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]], dtype=torch.float64)
+    """(The path CUDA logits take; float64 rows on the CPU take it too.) A forward's logits are
+    inference tensors, which only inference mode may change in place."""
+    with torch.inference_mode():
+        logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]], dtype=torch.float64)
     params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25, min_tokens=3)
     history = TokenHistory(params, token_ids=[0, 1, 3, 3], num_prompt_tokens=2, stop_ids=frozenset({5}))
     adjust_logits_(logits, [history])
@@ -74,6 +76,15 @@ def test_allowed_token_ids_and_logit_bias_by_hand():
     history = TokenHistory(params, [0], 1, frozenset(), drafts=[2])
     assert torch.equal(adjusted(logits, [history]), torch.tensor([[-INF, 99.0, 0.0, -INF], [-INF, 101.0, 1.5, -INF]]))
     assert params.logit_bias == ((1, 100.0), (2, -0.5))
+
+
+def test_bad_words_hold_back_their_last_token_where_their_first_tokens_end_the_history():
+    logits = torch.zeros(3, 10)
+    words = [(7,), (5, 9), (9, 4, 2), (6, 6, 3)]
+    window = TokenHistory(SamplingParams(), [1, 2, 5], 1, frozenset(), drafts=[9, 4], bad_words=words)
+    banned = (adjusted(logits, [window]) == -INF).nonzero().tolist()
+    # every row: 7; row 0 (after ... 5): 9; row 2 (after ... 9, 4): 2; (6, 6) never precedes
+    assert banned == [[0, 7], [0, 9], [1, 7], [2, 2], [2, 7]]
 
 
 def test_min_tokens_holds_back_the_stop_tokens_until_the_output_is_long_enough():
@@ -111,6 +122,23 @@ def test_token_ids_past_the_vocabulary_are_refused_by_name(draft_pair):
         assert error.value.param == field
 
 
+def test_allowed_ids_that_leave_nothing_to_generate_are_refused(draft_pair):
+    llm = LLM(draft_pair["target"])
+    with pytest.raises(SpecforkError, match="allowed_token_ids holds only stop tokens, which min_tokens holds back") as e:
+        llm.generate([PROMPT], SamplingParams(allowed_token_ids=[EOS, 3], stop_token_ids=[3], min_tokens=2))
+    assert e.value.param == "allowed_token_ids"
+    # with EOS ignored it is no stop token, and without min_tokens a stop token may come first
+    for params in (SamplingParams(allowed_token_ids=[EOS], min_tokens=2, ignore_eos=True, max_tokens=3),
+                   SamplingParams(allowed_token_ids=[EOS], max_tokens=3)):
+        assert set(llm.generate([PROMPT], params)[0].token_ids) == {EOS}
+
+
+def test_bad_words_need_a_tokenizer(draft_pair):
+    with pytest.raises(SpecforkError, match="bad_words needs the model's tokenizer") as error:
+        LLM(draft_pair["target"]).generate([PROMPT], SamplingParams(bad_words=["x"]))
+    assert error.value.param == "bad_words"
+
+
 def test_histories_must_cover_the_rows():
     with pytest.raises(ValueError, match="3 rows of logits for histories of 2 rows"):
         adjusted(torch.zeros(3, 4), [TokenHistory(SamplingParams(min_tokens=1), [0], 1, frozenset(), [1])])
@@ -126,6 +154,11 @@ def test_histories_must_cover_the_rows():
     ("logit_bias", {5: 101}, r"logit_bias must map token ids \(integers >= 0\) to biases in \[-100, 100\]"),
     ("logit_bias", {"x": 1}, "logit_bias must map token ids"),
     ("allowed_token_ids", [3, -1], "allowed_token_ids must be a list of integers >= 0"),
+    ("allowed_token_ids", [], "allowed_token_ids must name at least one token"),
+    ("logit_bias", {"\u00b2": 1}, r"logit_bias must map .* it holds \('\u00b2', 1\)"),  # a digit int() refuses
+    ("logit_bias", {"\u0663": 1}, "logit_bias must map"),  # an Arabic-Indic 3: ids are written in ASCII
+    ("logit_bias", {str(i): 200 for i in range(5000)}, r"it holds \('0', 200\)$"),  # the pair, not the dict
+    ("bad_words", [" "], "bad_words must be a non-empty string"),
 ])
 def test_bad_settings_are_clear_errors(field, value, message):
     with pytest.raises(SpecforkError, match=message) as error:

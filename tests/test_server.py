@@ -265,9 +265,11 @@ def test_bad_input_is_a_400_naming_the_problem(server, path, body, message):
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"49152": 5}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"hello": 5}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "allowed_token_ids": [1, 60000]}, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "bad_words": [""]}, "bad_words"),
 ], ids=["completions-max_tokens", "chat-max_tokens", "chat-max_completion_tokens", "prompt", "top_p",
         "stream_options", "top_logprobs", "out-of-range", "unsupported", "unknown", "bias-past-vocab", "bias-key",
-        "allowed-past-vocab"])
+        "allowed-past-vocab", "allowed-empty", "bad-word-empty"])
 def test_a_refused_request_names_its_parameter_as_the_request_did(server, path, body, param):
     """The engine's own rules (prompt plus max_tokens within the context) are checked when it
     admits the request; the error body's param names the field the request used."""
@@ -315,9 +317,9 @@ def test_penalties_min_p_and_min_tokens_reach_the_engine(server, offline):
     prompt = "List the days of the week:"
     monday = offline.engine.tokenizer.encode(" Monday")[0]
     settings = {"presence_penalty": 0.8, "frequency_penalty": 1.2, "logit_bias": {str(monday): -100}}
-    extra = {"repetition_penalty": 1.3, "min_p": 0.2, "min_tokens": 20}
+    extra = {"repetition_penalty": 1.3, "min_p": 0.2, "min_tokens": 20, "bad_words": ["Tuesday"]}
     expected = offline.generate(prompt, SamplingParams(temperature=0.7, max_tokens=24, seed=5, **settings, **extra))[0]
-    assert monday not in expected.token_ids
+    assert monday not in expected.token_ids and "Tuesday" not in expected.text
     plain = offline.generate(prompt, SamplingParams(temperature=0.7, max_tokens=24, seed=5))[0]
     assert expected.text != plain.text
     for stream in (False, True):

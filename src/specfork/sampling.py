@@ -35,7 +35,8 @@ Reshape = Callable[[torch.Tensor], torch.Tensor]  # [N, V] probabilities -> [N, 
 class TokenHistory:
     """What a request's logit adjustments read: its settings, the tokens its next logits follow
     (the prompt's ``num_prompt_tokens``, then the output), and the tokens ``min_tokens`` holds back
-    (EOS unless ignored, and the stop token ids). ``drafts`` make it a verify window: its row j
+    (EOS unless ignored, and the stop token ids), and the bad words' tokens. ``drafts`` make it a
+    verify window: its row j
     follows ``token_ids + drafts[:j]``. (Built every step for every request: it copies nothing.)"""
 
     params: SamplingParams
@@ -43,6 +44,7 @@ class TokenHistory:
     num_prompt_tokens: int
     stop_ids: frozenset[int]
     drafts: Sequence[int] = ()
+    bad_words: Sequence[Sequence[int]] = ()  # token sequences never to complete
 
     @property
     def rows(self) -> int:
@@ -54,13 +56,14 @@ class TokenHistory:
         back (a request past it, or with nothing to hold back, costs nothing)."""
         params = self.params
         holds_back = params.min_tokens > len(self.token_ids) - self.num_prompt_tokens and bool(self.stop_ids)
-        return holds_back or params.adjusts_logits
+        return holds_back or params.adjusts_logits or bool(self.bad_words)
 
 
 def adjust_logits_(logits: torch.Tensor, histories: Sequence[TokenHistory],
                    keep_raw: Container[int] = ()) -> dict[int, torch.Tensor]:
     """Each request's adjustments applied to its rows of ``logits`` [N, V], in place, in vLLM's
-    order: ``allowed_token_ids`` (every other token at -inf), ``min_tokens`` (its held-back
+    order: ``allowed_token_ids`` (every other token at -inf), bad words (the last token of each
+    at -inf where the tokens before it end the row's history), ``min_tokens`` (its held-back
     tokens at -inf while the output is shorter), ``logit_bias`` added, ``repetition_penalty`` (the
     logits of tokens in the prompt or output divided by it where positive, multiplied where not),
     ``frequency_penalty`` x each token's count in the output and ``presence_penalty`` for each token
@@ -78,13 +81,14 @@ def adjust_logits_(logits: torch.Tensor, histories: Sequence[TokenHistory],
         raise ValueError(f"{logits.shape[0]} rows of logits for histories of {sum(h.rows for h in histories)} rows")
     raw = {}
     first = 0
-    for i, history in enumerate(histories):
-        if history.adjusts:
-            window = logits[first : first + history.rows]
-            if i in keep_raw:
-                raw[i] = window.clone()
-            _adjust_window(window, history)
-        first += history.rows
+    with torch.inference_mode():  # the logits of a forward are inference tensors: written in place here only
+        for i, history in enumerate(histories):
+            if history.adjusts:
+                window = logits[first : first + history.rows]
+                if i in keep_raw:
+                    raw[i] = window.clone()
+                _adjust_window(window, history)
+            first += history.rows
     return raw
 
 
@@ -103,6 +107,14 @@ def _adjust_window(rows: torch.Tensor, history: TokenHistory) -> None:
         kept = a[:, allowed]
         a.fill(-np.inf)
         a[:, allowed] = kept
+    if history.bad_words:
+        before = max(len(w) for w in history.bad_words) - 1  # the context a word's first tokens need
+        tail = list(history.token_ids[max(0, len(history.token_ids) - before) :])
+        for j in range(n):
+            context = tail + drafts[:j]
+            banned = [w[-1] for w in history.bad_words if w[-1] < vocab and (
+                len(w) == 1 or (len(context) >= len(w) - 1 and context[-(len(w) - 1) :] == list(w[:-1])))]
+            a[j, banned] = -np.inf
     held_back = [t for t in history.stop_ids if t < vocab]
     short = min(n, params.min_tokens - num_output)  # rows whose output is still under min_tokens
     if short > 0 and held_back:

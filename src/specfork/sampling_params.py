@@ -23,7 +23,8 @@ class SamplingParams:
     A request with ``seed`` set produces the same tokens whatever else shares its batch.
 
     The logits are adjusted as vLLM's sampler adjusts them, in its order, before any filter:
-    only ``allowed_token_ids`` (when given) may be drawn; ``min_tokens`` holds back EOS (unless
+    only ``allowed_token_ids`` (when given) may be drawn; ``bad_words`` hold back the last token of
+    each word's tokens wherever the others precede it; ``min_tokens`` holds back EOS (unless
     ignored) and ``stop_token_ids``; ``logit_bias`` is added; ``repetition_penalty``
     (tokens of the prompt and output), ``frequency_penalty`` and ``presence_penalty`` (tokens of
     the output); then, after temperature, ``min_p``. Every decoding mode samples and verifies from
@@ -51,18 +52,26 @@ class SamplingParams:
     seed: int | None = option(None, cli=False)  # per request (the API's seed); the command line seeds the engine
     ignore_eos: bool = option(False, "keep generating after EOS (fixed-length outputs)")
     stop: tuple[str, ...] = option(default_factory=tuple, help="stop string (repeatable)", repeat=True)
+    bad_words: tuple[str, ...] = option(default_factory=tuple, help="a word never to generate: its last token is held "
+                                        "back wherever the others precede (repeatable)", repeat=True)
     stop_token_ids: tuple[int, ...] = option(default_factory=tuple, cli=False)
     logit_bias: tuple[tuple[int, float], ...] = option(default_factory=tuple, cli=False)  # (id, bias): a dict too
-    allowed_token_ids: tuple[int, ...] = option(default_factory=tuple, cli=False)  # only these (empty: all)
+    allowed_token_ids: tuple[int, ...] | None = option(None, cli=False)  # only these (None: all)
     include_stop_str_in_output: bool = option(False, cli=False)  # the stop string ends the text (vLLM's name)
     skip_special_tokens: bool = option(True, cli=False)  # special tokens (EOS, chat markup) left out of the text
     logprobs: int | None = option(None, cli=False)
     prompt_logprobs: int | None = option(None, cli=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop", _stop_strings(self.stop))
+        object.__setattr__(self, "stop", _strings(self.stop, "stop"))
+        object.__setattr__(self, "bad_words", _strings(self.bad_words, "bad_words"))
         object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids, "stop_token_ids"))
-        object.__setattr__(self, "allowed_token_ids", _token_ids(self.allowed_token_ids, "allowed_token_ids"))
+        if self.allowed_token_ids is not None:
+            allowed = _token_ids(self.allowed_token_ids, "allowed_token_ids")
+            if not allowed:
+                raise SpecforkError("allowed_token_ids must name at least one token (None allows them all)",
+                                    param="allowed_token_ids")
+            object.__setattr__(self, "allowed_token_ids", allowed)
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         temperature = _real(self.temperature)
         if temperature is None or not 0 <= temperature < math.inf:  # NaN too
@@ -146,12 +155,14 @@ def _integer(value: object) -> int | None:
     return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else None
 
 
-def _stop_strings(stop: object) -> tuple[str, ...]:
-    if stop is None:
+def _strings(value: object, name: str) -> tuple[str, ...]:
+    """A string or a list of them, none empty (a stop string may be blank: "\\n"; a bad word not)."""
+    if value is None:
         return ()
-    strings = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, (list, tuple)) else None
-    if strings is None or any(not isinstance(s, str) or not s for s in strings):
-        raise SpecforkError(f"stop must be a non-empty string or a list of them, got {stop!r}", param="stop")
+    strings = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, (list, tuple)) else None
+    blank = (lambda s: not s) if name == "stop" else (lambda s: not s.strip())
+    if strings is None or any(not isinstance(s, str) or blank(s) for s in strings):
+        raise SpecforkError(f"{name} must be a non-empty string or a list of them, got {value!r}", param=name)
     return strings
 
 
@@ -170,13 +181,17 @@ def _logit_bias(bias: object) -> tuple[tuple[int, float], ...]:
     if not bias:
         return ()
     pairs = list(bias.items()) if isinstance(bias, dict) else list(bias) if isinstance(bias, (list, tuple)) else None
+    if pairs is None:
+        raise SpecforkError(f"logit_bias must map token ids to biases, got {type(bias).__name__}", param="logit_bias")
     out = {}
-    for pair in pairs if pairs is not None else [None]:
+    for pair in pairs:
         key, value = pair if isinstance(pair, tuple | list) and len(pair) == 2 else (None, None)
-        token = int(key) if isinstance(key, str) and key.strip().isdigit() else _integer(key)
+        digits = isinstance(key, str) and key.isascii() and key.strip().isdecimal()
+        token = int(key) if digits else None if isinstance(key, str) else _integer(key)
         amount = _real(value)
         if token is None or token < 0 or amount is None or not -100.0 <= amount <= 100.0:
-            raise SpecforkError(f"logit_bias must map token ids (integers >= 0) to biases in [-100, 100], got {bias!r}",
-                                param="logit_bias")
+            shown = repr(pair) if len(repr(pair)) <= 80 else repr(pair)[:77] + "..."
+            raise SpecforkError(f"logit_bias must map token ids (integers >= 0) to biases in [-100, 100]; it holds "
+                                f"{shown}", param="logit_bias")
         out[token] = amount
     return tuple(sorted(out.items()))

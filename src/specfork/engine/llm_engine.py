@@ -185,14 +185,42 @@ class LLMEngine:
         if bad:
             raise PromptError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
 
-    def check_sampling_ids(self, params: SamplingParams) -> None:
-        """The token ids a request's sampling names are the model's: a bias or an allowed id past
-        the vocabulary would otherwise fail the batch it runs in."""
+    def check_sampling_ids(self, params: SamplingParams, stops: frozenset[int],
+                           bad_words: tuple[tuple[int, ...], ...]) -> None:
+        """The token ids a request's sampling names are the model's (a bias or an allowed id past
+        the vocabulary would fail the batch it runs in), and its allowed ids leave something to
+        generate (else every logit would be -inf, and the draw meaningless)."""
         vocab = self.loaded.arch.vocab_size
-        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("allowed_token_ids", params.allowed_token_ids)):
+        allowed = params.allowed_token_ids or ()
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("allowed_token_ids", allowed)):
             bad = [t for t in ids if t >= vocab]
             if bad:
                 raise SpecforkError(f"{name} names token ids {bad[:5]} outside the vocabulary [0, {vocab})", param=name)
+        if allowed:
+            usable = set(allowed) - {w[0] for w in bad_words if len(w) == 1}
+            if not usable:
+                raise SpecforkError("every token of allowed_token_ids is a bad word: nothing could be generated",
+                                    param="allowed_token_ids")
+            if params.min_tokens and not usable - stops:
+                raise SpecforkError("allowed_token_ids holds only stop tokens, which min_tokens holds back: nothing "
+                                    "could be generated", param="allowed_token_ids")
+
+    def bad_word_ids(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
+        """The token sequences of a request's bad words, as vLLM makes them: each word (leading
+        spaces stripped) on its own and after a space, the second only where it is as many
+        tokens and starts with another token."""
+        if not params.bad_words:
+            return ()
+        if self.tokenizer is None:
+            raise SpecforkError("bad_words needs the model's tokenizer, and this model has none", param="bad_words")
+        found: list[tuple[int, ...]] = []
+        for word in params.bad_words:
+            alone = tuple(self.tokenizer.encode_fragment(word.lstrip()))
+            spaced = tuple(self.tokenizer.encode_fragment(" " + word.lstrip()))
+            found.append(alone)
+            if len(spaced) == len(alone) and spaced[0] != alone[0]:
+                found.append(spaced)
+        return tuple(dict.fromkeys(found))
 
     def check_length(self, prompt_len: int, max_tokens: int) -> None:
         """The one length rule of every entry point (API, CLI, server): the prompt plus
@@ -207,13 +235,14 @@ class LLMEngine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         self.check_prompt_ids(prompt_ids)
         self.check_length(len(prompt_ids), params.max_tokens)
-        self.check_sampling_ids(params)
+        stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        bad_words = self.bad_word_ids(params)
+        self.check_sampling_ids(params, stops, bad_words)
         seq_id = next(self._ids)
         gen = torch.Generator(device=self.device)
         # Any engine seed works: the derived seed is taken modulo 2**64 (small seeds are unchanged).
         gen.manual_seed(params.seed if params.seed is not None else (self.config.seed * 1_000_003 + seq_id) & 0xFFFF_FFFF_FFFF_FFFF)
-        stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        seq = Sequence(seq_id, prompt_ids, params, gen, stops)
+        seq = Sequence(seq_id, prompt_ids, params, gen, stops, bad_words)
         self.scheduler.add(seq)
         return seq
 

@@ -109,6 +109,12 @@ class Tokenizer:
             return list(self._hf(text)["input_ids"])
         return self._encode(text, add_special_tokens=True)
 
+    def encode_fragment(self, text: str) -> list[int]:
+        """The ids of a piece of text as it stands inside a longer one: no BOS or EOS."""
+        if self._via_transformers:
+            return list(self._hf(text, add_special_tokens=False)["input_ids"])
+        return self._encode(text, add_special_tokens=False)
+
     def _encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         # encode_batch, not encode: it releases the GIL, so a long prompt tokenized on a worker
         # thread does not stall the server's event loop (encode holds it for the whole text).

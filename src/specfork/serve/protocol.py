@@ -61,7 +61,6 @@ Text = Annotated[str, AfterValidator(_valid_unicode)]
 _NEUTRAL: dict[str, tuple] = {
     "suffix": ("",),
     "length_penalty": (1,),
-    "bad_words": ([],),
     "use_beam_search": (False,),
     "spaces_between_special_tokens": (True,),
     "tools": ([],),
@@ -107,6 +106,7 @@ class GenerationRequest(BaseModel):
     logit_bias: dict[str, float] | None = Field(None, description="token id -> bias added to its logit, -100..100")
     allowed_token_ids: list[int] | None = Field(None, description="only these tokens may be generated (extension, as "
                                                 "in vLLM)")
+    bad_words: list[Text] | None = Field(None, description="words never to generate (extension, as in vLLM)")
     seed: int | None = None
     stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = Field(None, description="token ids that end a choice (extension, as in vLLM)")

@@ -147,9 +147,10 @@ def measure_forwards(runner, block_manager, windows: list[tuple[int, int]], cont
 
     vocab = runner.model.config.vocab_size
     max_rows = max(rows for rows, _ in windows)
-    positions = getattr(runner.model.config, "max_position_embeddings", None)  # a model shorter than the context
-    room = measurable_context(block_manager, max_rows) if positions is None else min(
-        measurable_context(block_manager, max_rows), positions - max_rows)
+    rotary = getattr(runner.model, "rotary", None)  # its table: the positions the model was built for
+    room = measurable_context(block_manager, max_rows)
+    if rotary is not None:  # a model (or --max-model-len) shorter than the measured context
+        room = min(room, rotary.cos.shape[0] - max_rows)
     context = max(1, min(context, room))
     tokens = [(1 + i * 7919) % vocab for i in range(context + max_rows)]
     seq = Sequence(-1, tokens, SamplingParams(temperature=0.0), torch.Generator())
