@@ -1,6 +1,7 @@
-"""Penalties, min_tokens and min_p: the logits every mode samples and verifies from, checked by
-hand, against transformers' own processors, and through speculation (greedy SD and SSD equal AR
-with them; the chi-square tests in test_spec_lossless / test_ssd_lossless cover sampling)."""
+"""Logit adjustments (allowed ids, bad words, min_tokens, logit bias, penalties, min_p): the logits
+every mode samples and verifies from, checked by hand, against transformers' own processors, and
+through speculation (greedy SD and SSD equal AR with them; the chi-square tests in
+test_spec_lossless / test_ssd_lossless / test_eagle3 cover sampling)."""
 
 import math
 
@@ -101,15 +102,17 @@ def test_a_window_row_is_adjusted_as_the_same_row_alone_after_its_drafts():
     those drafts are its output: the same numbers, bit for bit, whatever shares the call."""
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.7, min_p=0.05, repetition_penalty=1.3, frequency_penalty=0.4,
-                            presence_penalty=-0.3, min_tokens=4)
+                            presence_penalty=-0.3, min_tokens=4, logit_bias={9: 1.5, 60: -3.0},
+                            allowed_token_ids=list(range(56)))
     prompt, output, drafts = [3, 7, 7, 11], [7, 2, 40], [2, 2, 9, 40, 51]
+    words = [(2, 9), (9, 40, 13), (17,)]
     logits = torch.randn(len(drafts) + 1, 64, generator=gen) * 3
     other = TokenHistory(SamplingParams(repetition_penalty=1.1), [1, 4], 1, frozenset({0}))
     window = adjusted(torch.cat([torch.randn(1, 64, generator=gen), logits]),
-                             [other, TokenHistory(params, prompt + output, len(prompt), frozenset({2}), drafts)])[1:]
+                      [other, TokenHistory(params, prompt + output, len(prompt), frozenset({2}), drafts, words)])[1:]
     for j in range(len(drafts) + 1):
-        alone = adjusted(logits[j : j + 1], [TokenHistory(params, prompt + output + drafts[:j], len(prompt), frozenset({2}))])
-        assert torch.equal(window[j], alone[0]), j
+        history = TokenHistory(params, prompt + output + drafts[:j], len(prompt), frozenset({2}), bad_words=words)
+        assert torch.equal(window[j], adjusted(logits[j : j + 1], [history])[0]), j
     assert (window == -INF).any() and (window[0] != logits[0]).any()
 
 
