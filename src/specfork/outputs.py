@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 class TokenLogprob:
     """The target model's log-probability of one token at its position, and the ``top`` most
     likely tokens there (best first). Log-probabilities are the log-softmax of the model's raw
-    logits: the model's own distribution, before temperature, top-k or top-p."""
+    logits: the model's own distribution, before any penalty, bias, temperature, top-k or top-p."""
 
     token_id: int
     logprob: float

@@ -33,7 +33,7 @@ class SamplingParams:
     ``logprobs`` (None: off) asks for the target model's log-probability of every generated
     token plus that many most likely alternatives per position; ``prompt_logprobs`` the same for
     the prompt's tokens (from the second on). Both are of the model's own distribution (the
-    log-softmax of its logits, before temperature, top-k or top-p), in every decoding mode.
+    log-softmax of its logits, before any adjustment, temperature, top-k or top-p), in every decoding mode.
     """
 
     temperature: float = option(1.0, "0 = greedy")
