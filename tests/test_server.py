@@ -78,6 +78,25 @@ def test_chat_equals_offline_chat(server, offline):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == expected.finish_reason
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server, offline):
+    """vLLM's stream option: each chunk carries the tokens generated up to it; the last usage chunk
+    is the whole request's. Other stream options are refused by name; OpenAI's
+    include_obfuscation is accepted (no padding is sent)."""
+    client = server.client()
+    prompt = "Count to ten:"
+    expected = offline.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
+    options = {"include_usage": True, "continuous_usage_stats": True, "include_obfuscation": False}
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True, "stream_options": options}))
+    so_far = [c.usage.completion_tokens for c in chunks]
+    assert all(c.usage.prompt_tokens == len(offline.encode(prompt)) for c in chunks)
+    assert so_far == sorted(so_far) and so_far[-1] == len(expected.token_ids) and so_far[0] < so_far[-1]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    status, reply = server.post("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "stream": True,
+                                                               "stream_options": {"include_usage": True, "extra": 1}}))
+    assert status == 400 and "stream_options.extra" in reply["error"]["message"], reply
+
+
 def test_stop_strings_and_seeded_sampling(server, offline):
     client = server.client()
     expected = offline.generate("def add(a, b):", SamplingParams(temperature=0.0, max_tokens=40, stop=("return",)))[0]

@@ -39,8 +39,12 @@ class ApiError(Exception):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="usage so far in every chunk (extension, as in vLLM; "
+                                         "with include_usage)")
+    include_obfuscation: bool = Field(True, description="OpenAI's padding of stream chunks against length side "
+                                      "channels: accepted, and no padding is sent")
 
 
 def _valid_unicode(text: str) -> str:

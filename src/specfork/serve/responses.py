@@ -89,8 +89,12 @@ def output_logprobs(names: TokenNames, job: Job, choice: int, entries: Sequence[
 
 
 def usage(prompt_len: int, outputs: Sequence[RequestOutput]) -> dict:
-    n = sum(len(o.token_ids) for o in outputs)
-    return {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n}
+    return usage_of(prompt_len, sum(len(o.token_ids) for o in outputs))
+
+
+def usage_of(prompt_len: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_len, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_len + completion_tokens}
 
 
 def response_body(job: Job, rid: str, created: int, model: str, outputs: list[RequestOutput],
@@ -152,3 +156,7 @@ class ChunkMaker:
 
     def usage(self, outputs: Sequence[RequestOutput]) -> dict:
         return {**self.head, "choices": [], "usage": usage(self.job.num_prompt_tokens, outputs)}
+
+    def with_usage_so_far(self, chunk: dict, completion_tokens: int) -> dict:
+        """``chunk`` with the usage up to it (vLLM's continuous_usage_stats)."""
+        return {**chunk, "usage": usage_of(self.job.num_prompt_tokens, completion_tokens)}
