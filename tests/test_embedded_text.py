@@ -74,8 +74,12 @@ def test_bad_words_are_never_completed_and_sd_still_equals_ar(ar_det):
     out = ar_det.chat(question, params)[0]
     assert "Paris" not in out.text and "capital of" not in out.text, out.text
     assert ar_det.engine.bad_word_ids(params) == ((38634,), (7042,), (29721, 282), (3575, 282))
-    with pytest.raises(SpecforkError, match="every token of allowed_token_ids is a bad word"):
+    with pytest.raises(SpecforkError, match="every token of allowed_token_ids ends a bad word"):
         ar_det.generate("x", SamplingParams(allowed_token_ids=[38634, 7042], bad_words=["Paris"]))
+    one = ar_det.engine.tokenizer.encode_fragment("1")
+    assert ar_det.engine.tokenizer.encode_fragment("11") == one * 2
+    with pytest.raises(SpecforkError, match="every token of allowed_token_ids ends a bad word"):  # after a "1"
+        ar_det.generate("x", SamplingParams(allowed_token_ids=one, bad_words=["11"]))
     with LLM(mode="sd", k=4, deterministic=True) as sd:
         assert sd.chat(question, params)[0].token_ids == out.token_ids
         # drafts that replay the unconstrained reply ("The capital of France is Paris."): the row

@@ -86,6 +86,9 @@ def test_bad_words_hold_back_their_last_token_where_their_first_tokens_end_the_h
     banned = (adjusted(logits, [window]) == -INF).nonzero().tolist()
     # every row: 7; row 0 (after ... 5): 9; row 2 (after ... 9, 4): 2; (6, 6) never precedes
     assert banned == [[0, 7], [0, 9], [1, 7], [2, 2], [2, 7]]
+    # as vLLM, a word's first tokens are looked for in the output only, never in the prompt
+    fresh = TokenHistory(SamplingParams(), [1, 5], 2, frozenset(), bad_words=[(5, 9)])
+    assert not (adjusted(logits[:1], [fresh]) == -INF).any()
 
 
 def test_min_tokens_holds_back_the_stop_tokens_until_the_output_is_long_enough():
@@ -162,6 +165,7 @@ def test_histories_must_cover_the_rows():
     ("logit_bias", {"\u0663": 1}, "logit_bias must map"),  # an Arabic-Indic 3: ids are written in ASCII
     ("logit_bias", {str(i): 200 for i in range(5000)}, r"it holds \('0', 200\)$"),  # the pair, not the dict
     ("bad_words", [" "], "bad_words must be a non-empty string"),
+    ("bad_words", [f"w{i}" for i in range(129)], "bad_words holds 129 words; at most 128"),
 ])
 def test_bad_settings_are_clear_errors(field, value, message):
     with pytest.raises(SpecforkError, match=message) as error:

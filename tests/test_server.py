@@ -95,6 +95,18 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server, offl
     status, reply = server.post("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "stream": True,
                                                                "stream_options": {"include_usage": True, "extra": 1}}))
     assert status == 400 and "stream_options.extra" in reply["error"]["message"], reply
+    # as vLLM: each chunk carries its own choice's counts, and its own prompt's; a null option is its default
+    prompts = ["Hi", prompt]
+    options = {"include_usage": True, "continuous_usage_stats": True, "include_obfuscation": None}
+    chunks = list(client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=6, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True, "stream_options": options}))
+    by_choice = {}
+    for c in chunks[:-1]:
+        index = c.choices[0].index
+        assert c.usage.prompt_tokens == len(offline.encode(prompts[index // 2])), c
+        by_choice.setdefault(index, []).append(c.usage.completion_tokens)
+    assert sorted(by_choice) == [0, 1, 2, 3] and all(v == sorted(v) and v[-1] == 6 for v in by_choice.values())
+    assert chunks[-1].usage.completion_tokens == 24 and not chunks[-1].choices
 
 
 def test_stop_strings_and_seeded_sampling(server, offline):

@@ -63,7 +63,7 @@ def adjust_logits_(logits: torch.Tensor, histories: Sequence[TokenHistory],
                    keep_raw: Container[int] = ()) -> dict[int, torch.Tensor]:
     """Each request's adjustments applied to its rows of ``logits`` [N, V], in place, in vLLM's
     order: ``allowed_token_ids`` (every other token at -inf), bad words (the last token of each
-    at -inf where the tokens before it end the row's history), ``min_tokens`` (its held-back
+    at -inf where the tokens before it end the row's output), ``min_tokens`` (its held-back
     tokens at -inf while the output is shorter), ``logit_bias`` added, ``repetition_penalty`` (the
     logits of tokens in the prompt or output divided by it where positive, multiplied where not),
     ``frequency_penalty`` x each token's count in the output and ``presence_penalty`` for each token
@@ -107,9 +107,9 @@ def _adjust_window(rows: torch.Tensor, history: TokenHistory) -> None:
         kept = a[:, allowed]
         a.fill(-np.inf)
         a[:, allowed] = kept
-    if history.bad_words:
+    if history.bad_words:  # matched against the output only, as vLLM does (never the prompt)
         before = max(len(w) for w in history.bad_words) - 1  # the context a word's first tokens need
-        tail = list(history.token_ids[max(0, len(history.token_ids) - before) :])
+        tail = list(history.token_ids[max(history.num_prompt_tokens, len(history.token_ids) - before) :])
         for j in range(n):
             context = tail + drafts[:j]
             banned = [w[-1] for w in history.bad_words if w[-1] < vocab and (

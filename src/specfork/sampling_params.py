@@ -13,6 +13,7 @@ from specfork.options import option
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
 MAX_LOGPROBS = 20  # most alternatives reported per position (as OpenAI's top_logprobs)
+MAX_BAD_WORDS = 128  # as vLLM's GPU sampler
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +66,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _strings(self.stop, "stop"))
         object.__setattr__(self, "bad_words", _strings(self.bad_words, "bad_words"))
+        if len(self.bad_words) > MAX_BAD_WORDS:  # every row of every step checks each
+            raise SpecforkError(f"bad_words holds {len(self.bad_words)} words; at most {MAX_BAD_WORDS}",
+                                param="bad_words")
         object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids, "stop_token_ids"))
         if self.allowed_token_ids is not None:
             allowed = _token_ids(self.allowed_token_ids, "allowed_token_ids")

@@ -197,10 +197,10 @@ class LLMEngine:
             if bad:
                 raise SpecforkError(f"{name} names token ids {bad[:5]} outside the vocabulary [0, {vocab})", param=name)
         if allowed:
-            usable = set(allowed) - {w[0] for w in bad_words if len(w) == 1}
+            usable = set(allowed) - {w[-1] for w in bad_words}  # each may be held back where its word began
             if not usable:
-                raise SpecforkError("every token of allowed_token_ids is a bad word: nothing could be generated",
-                                    param="allowed_token_ids")
+                raise SpecforkError("every token of allowed_token_ids ends a bad word: where those words begin, "
+                                    "nothing could be generated", param="allowed_token_ids")
             if params.min_tokens and not usable - stops:
                 raise SpecforkError("allowed_token_ids holds only stop tokens, which min_tokens holds back: nothing "
                                     "could be generated", param="allowed_token_ids")

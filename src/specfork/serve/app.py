@@ -322,19 +322,19 @@ async def stream(loop: EngineLoop, group: RequestGroup, job: Job, chunks: ChunkM
     """The SSE payloads of one request: per choice an opening (chat), the echoed prompt
     (completions with echo), its pieces and a final chunk with its finish_reason ("abort" when
     the server cut it at shutdown); then the usage chunk if asked for (and with
-    continuous_usage_stats, the usage so far in every chunk before it)."""
+    continuous_usage_stats, each chunk its choice's usage so far, as vLLM does)."""
     n = len(group.handles)
     options = job.body.stream_options
     continuous = options is not None and options.include_usage and options.continuous_usage_stats
     generated = [0] * n  # tokens of each choice so far
 
-    def sent(chunk: dict) -> dict:
-        return chunks.with_usage_so_far(chunk, sum(generated)) if continuous else chunk
+    def sent(chunk: dict, index: int) -> dict:
+        return chunks.with_usage_so_far(chunk, index, generated[index]) if continuous else chunk
 
     for index in range(n):
         opening = chunks.opening(index)
         if opening is not None:
-            yield sent(opening)
+            yield sent(opening, index)
     echoed = [job.echo_texts is None] * n
     finished: dict[int, RequestOutput] = {}
     async with aclosing(events(loop, group, metrics)) as incoming:
@@ -345,14 +345,14 @@ async def stream(loop: EngineLoop, group: RequestGroup, job: Job, chunks: ChunkM
             if not echoed[index] and isinstance(event, Piece | Finished):
                 echoed[index] = True
                 prompt = event.prompt_logprobs if isinstance(event, Piece) else event.output.prompt_logprobs
-                yield sent(chunks.echo(index, prompt))
+                yield sent(chunks.echo(index, prompt), index)
             if isinstance(event, Piece):
                 generated[index] += len(event.token_ids)
                 if event.text or (event.token_ids and (job.body.return_token_ids or event.logprobs is not None)):
-                    yield sent(chunks.piece(index, event.text, event.token_ids, event.logprobs))
+                    yield sent(chunks.piece(index, event.text, event.token_ids, event.logprobs), index)
             elif isinstance(event, Finished):
                 finished[index] = event.output
                 generated[index] = len(event.output.token_ids)
-                yield sent(chunks.choice(index, None, finish_reason=event.output.finish_reason))
+                yield sent(chunks.choice(index, None, finish_reason=event.output.finish_reason), index)
     if options is not None and options.include_usage and len(finished) == n:
         yield chunks.usage([finished[i] for i in range(n)])

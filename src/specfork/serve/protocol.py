@@ -38,7 +38,20 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
-class StreamOptions(BaseModel):
+class NullMeansDefault(BaseModel):
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, body: object) -> object:
+        """An optional field sent as null takes its default, as in the OpenAI API (whose optional
+        fields are all nullable: clients and wrappers send ``"temperature": null``). Required
+        fields stay as sent, so a null one is still refused."""
+        if not isinstance(body, dict):
+            return body
+        optional = {name for name, f in cls.model_fields.items() if f.default is not PydanticUndefined}
+        return {k: v for k, v in body.items() if v is not None or k not in optional}
+
+
+class StreamOptions(NullMeansDefault):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
     continuous_usage_stats: bool = Field(False, description="usage so far in every chunk (extension, as in vLLM; "
@@ -93,7 +106,7 @@ def _is_neutral(value: object, neutral: tuple) -> bool:
     return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral)
 
 
-class GenerationRequest(BaseModel):
+class GenerationRequest(NullMeansDefault):
     model_config = ConfigDict(extra="allow", strict=True)
 
     model: str
@@ -126,17 +139,6 @@ class GenerationRequest(BaseModel):
 
     OTHER_SPELLINGS: ClassVar[dict[str, str]] = {}  # another endpoint's field -> this one's
     NEUTRAL_HERE: ClassVar[dict[str, tuple]] = {}  # neutral values this endpoint's defaults make
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, body: object) -> object:
-        """An optional field sent as null takes its default, as in the OpenAI API (whose optional
-        fields are all nullable: clients and wrappers send ``"temperature": null``). Required
-        fields stay as sent, so a null one is still refused."""
-        if not isinstance(body, dict):
-            return body
-        optional = {name for name, f in cls.model_fields.items() if f.default is not PydanticUndefined}
-        return {k: v for k, v in body.items() if v is not None or k not in optional}
 
     @field_validator("stop")
     @classmethod

@@ -157,6 +157,8 @@ class ChunkMaker:
     def usage(self, outputs: Sequence[RequestOutput]) -> dict:
         return {**self.head, "choices": [], "usage": usage(self.job.num_prompt_tokens, outputs)}
 
-    def with_usage_so_far(self, chunk: dict, completion_tokens: int) -> dict:
-        """``chunk`` with the usage up to it (vLLM's continuous_usage_stats)."""
-        return {**chunk, "usage": usage_of(self.job.num_prompt_tokens, completion_tokens)}
+    def with_usage_so_far(self, chunk: dict, index: int, completion_tokens: int) -> dict:
+        """``chunk`` of choice ``index`` with that choice's usage up to it: its prompt's tokens and
+        the tokens it generated so far (vLLM's continuous_usage_stats)."""
+        prompt = len(self.job.prompts[self.job.prompt_of(index)])
+        return {**chunk, "usage": usage_of(prompt, completion_tokens)}
