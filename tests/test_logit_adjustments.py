@@ -57,13 +57,14 @@ def test_rows_off_the_cpu_or_not_float32_are_adjusted_through_a_copy_and_written
 
 
 def test_only_the_adjusting_rows_change_and_raw_copies_are_kept_where_asked():
+    """Raw rows are copied for the requests that asked for log-probabilities, where they changed."""
     logits = torch.randn(6, 6)
-    histories = [TokenHistory(SamplingParams(), [0], 1, frozenset()),  # row 0
-                 TokenHistory(SamplingParams(logit_bias={1: 2.0}), [0], 1, frozenset(), drafts=[3, 3]),  # rows 1-3
+    histories = [TokenHistory(SamplingParams(logprobs=1), [0], 1, frozenset()),  # row 0
+                 TokenHistory(SamplingParams(logit_bias={1: 2.0}, logprobs=0), [0], 1, frozenset(), drafts=[3, 3]),
                  TokenHistory(SamplingParams(logit_bias={2: 2.0}), [0], 1, frozenset()),  # row 4
                  TokenHistory(SamplingParams(), [0], 1, frozenset())]  # row 5
     out = logits.clone()
-    raw = adjust_logits_(out, histories, keep_raw={0, 1})
+    raw = adjust_logits_(out, histories)  # window 1: rows 1-3
     assert list(raw) == [1] and torch.equal(raw[1], logits[1:4])  # window 0 did not change: no copy
     assert torch.equal(out[[0, 5]], logits[[0, 5]])
     assert torch.equal(out[1:4, 1], logits[1:4, 1] + 2.0) and out[4, 2] == logits[4, 2] + 2.0

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -59,8 +59,7 @@ class TokenHistory:
         return holds_back or params.adjusts_logits or bool(self.bad_words)
 
 
-def adjust_logits_(logits: torch.Tensor, histories: Sequence[TokenHistory],
-                   keep_raw: Container[int] = ()) -> dict[int, torch.Tensor]:
+def adjust_logits_(logits: torch.Tensor, histories: Sequence[TokenHistory]) -> dict[int, torch.Tensor]:
     """Each request's adjustments applied to its rows of ``logits`` [N, V], in place, in vLLM's
     order: ``allowed_token_ids`` (every other token at -inf), bad words (the last token of each
     at -inf where the tokens before it end the row's output), ``min_tokens`` (its held-back
@@ -75,8 +74,8 @@ def adjust_logits_(logits: torch.Tensor, histories: Sequence[TokenHistory],
     same element-wise operations whatever shares its call, so AR and verification see the same
     numbers. Only the windows that adjust are touched and nothing else is copied, so a batch pays
     for its adjusting requests' rows alone (none: one pass over the histories). Returns, for each
-    window listed in ``keep_raw`` that changed, a copy of its rows from before (log-probabilities
-    are of the model's own logits)."""
+    window that changed and whose request asked for log-probabilities, a copy of its rows from
+    before (log-probabilities are of the model's own logits)."""
     if sum(h.rows for h in histories) != logits.shape[0]:
         raise ValueError(f"{logits.shape[0]} rows of logits for histories of {sum(h.rows for h in histories)} rows")
     raw = {}
@@ -85,7 +84,7 @@ def adjust_logits_(logits: torch.Tensor, histories: Sequence[TokenHistory],
         for i, history in enumerate(histories):
             if history.adjusts:
                 window = logits[first : first + history.rows]
-                if i in keep_raw:
+                if history.params.logprobs is not None:
                     raw[i] = window.clone()
                 _adjust_window(window, history)
             first += history.rows

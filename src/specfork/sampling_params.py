@@ -64,8 +64,8 @@ class SamplingParams:
     prompt_logprobs: int | None = option(None, cli=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop", _strings(self.stop, "stop"))
-        object.__setattr__(self, "bad_words", _strings(self.bad_words, "bad_words"))
+        object.__setattr__(self, "stop", _strings(self.stop, "stop", blank_ok=True))
+        object.__setattr__(self, "bad_words", _strings(self.bad_words, "bad_words", blank_ok=False))
         if len(self.bad_words) > MAX_BAD_WORDS:  # every row of every step checks each
             raise SpecforkError(f"bad_words holds {len(self.bad_words)} words; at most {MAX_BAD_WORDS}",
                                 param="bad_words")
@@ -159,13 +159,13 @@ def _integer(value: object) -> int | None:
     return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else None
 
 
-def _strings(value: object, name: str) -> tuple[str, ...]:
-    """A string or a list of them, none empty (a stop string may be blank: "\\n"; a bad word not)."""
+def _strings(value: object, name: str, *, blank_ok: bool) -> tuple[str, ...]:
+    """A string or a list of them, none empty, and none all whitespace unless ``blank_ok`` (a stop
+    string may be "\\n"; a bad word may not be blank)."""
     if value is None:
         return ()
     strings = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, (list, tuple)) else None
-    blank = (lambda s: not s) if name == "stop" else (lambda s: not s.strip())
-    if strings is None or any(not isinstance(s, str) or blank(s) for s in strings):
+    if strings is None or any(not isinstance(s, str) or not (s if blank_ok else s.strip()) for s in strings):
         raise SpecforkError(f"{name} must be a non-empty string or a list of them, got {value!r}", param=name)
     return strings
 

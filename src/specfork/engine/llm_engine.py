@@ -179,23 +179,22 @@ class LLMEngine:
                 "(prompt plus at least one generated token)"
             )
 
-    def check_vocabulary(self, ids: list[int]) -> None:
+    def check_vocabulary(self, ids, what: str = "token ids {} are", error: type[SpecforkError] = PromptError,
+                         param: str | None = None) -> None:
+        """Every id of ``ids`` is one of the model's (``what`` says the first bad ones in the error)."""
         vocab = self.loaded.arch.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise PromptError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+            raise error(f"{what.format(bad[:5])} outside the vocabulary [0, {vocab})", param=param)
 
     def check_sampling_ids(self, params: SamplingParams, stops: frozenset[int],
                            bad_words: tuple[tuple[int, ...], ...]) -> None:
         """The token ids a request's sampling names are the model's (a bias or an allowed id past
         the vocabulary would fail the batch it runs in), and its allowed ids leave something to
         generate (else every logit would be -inf, and the draw meaningless)."""
-        vocab = self.loaded.arch.vocab_size
         allowed = params.allowed_token_ids or ()
         for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("allowed_token_ids", allowed)):
-            bad = [t for t in ids if t >= vocab]
-            if bad:
-                raise SpecforkError(f"{name} names token ids {bad[:5]} outside the vocabulary [0, {vocab})", param=name)
+            self.check_vocabulary(ids, f"{name} names token ids {{}}", SpecforkError, name)
         if allowed:
             usable = set(allowed) - {w[-1] for w in bad_words}  # each may be held back where its word began
             if not usable:

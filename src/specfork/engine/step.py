@@ -70,8 +70,7 @@ def sample_new_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> dict[Sequen
     """One token per row of ``logits`` [N, V] (row i belongs to ``seqs[i]``), drawn after the
     requests' logit adjustments (made in place), with its log-probability (of the model's own
     logits) for the requests that asked for it."""
-    raw = adjust_logits_(logits, [s.history() for s in seqs],
-                         keep_raw={i for i, s in enumerate(seqs) if s.params.logprobs is not None})
+    raw = adjust_logits_(logits, [s.history() for s in seqs])
     tokens = sample_tokens(logits, [s.params for s in seqs], [s.generator for s in seqs])
     return {s: NewTokens([t], _logprobs(raw.get(i, logits[i : i + 1]), t, s))
             for i, (s, t) in enumerate(zip(seqs, tokens, strict=True))}

@@ -121,8 +121,7 @@ class SpeculativeStep:
         logits = self._score(seqs, proposal)
         t2 = time.perf_counter()
         # Verified as AR samples: each row after its request's adjustments, the drafts before it included.
-        raw = adjust_logits_(logits, [s.history(props) for s, props in zip(seqs, proposal.tokens, strict=True)],
-                             keep_raw={i for i, s in enumerate(seqs) if s.params.logprobs is not None})
+        raw = adjust_logits_(logits, [s.history(props) for s, props in zip(seqs, proposal.tokens, strict=True)])
         results, spans = self._verify(seqs, proposal, logits)
         draft_s, target_s = t1 - t0, t2 - t1
         # The last committed token and the accepted proposals: the positions the target keeps.
