@@ -11,6 +11,7 @@ from lossless import PROMPT
 from specfork import LLM, SamplingParams, SpecforkError
 from specfork.config import SSD_DEFAULT_K, Config
 from specfork.speculative.auto_k import FIRST_PROBE, PROBE_EVERY, AutoK, StepCosts, modelled_round_s, plan
+from specfork.speculative.proposer import Proposal, StatelessProposer
 
 
 def test_plan_maximises_expected_tokens_per_second():
@@ -102,6 +103,66 @@ def test_measured_round_times_fall_back_to_plain_decoding_when_speculation_does_
     assert "measured rounds" in auto.explain()
     run(200, slowdown=1.0)
     assert auto.current.k > 0
+
+
+def test_positions_a_proposer_leaves_empty_count_as_rejections():
+    """A head with a confidence floor proposes nothing in 9 rounds of 10 (each such round costs a
+    plain step and two draft steps: catching up, and finding itself unsure); when it proposes,
+    its drafts are accepted at a = 0.6. Counted over the proposed positions only, speculation
+    looked 1.36x faster than plain decoding (k = 2) where it is ~10% slower: k auto must settle
+    on plain decoding. The same head proposing in every round must go on speculating."""
+    costs = StepCosts(draft_s=0.0005, verify_s=tuple(0.005 + 0.0006 * (m - 1) for m in range(1, 10)))
+
+    def run(unsure_every: int) -> tuple[AutoK, list[int]]:
+        auto, ks, proposing = AutoK(costs), [], 0
+        for i in range(600):
+            k = auto.ks_for_round()[0]
+            seconds = modelled_round_s(costs, 0)
+            if k and i % unsure_every:  # unsure: nothing proposed
+                auto.observe(k, 0)
+                seconds += 2 * costs.draft_s
+            elif k:
+                proposing += 1
+                auto.observe(k, min(k, proposing % 3))  # 0, 1, 2 accepted in turn: a = 0.6 up to k = 2
+                seconds = modelled_round_s(costs, k)
+            auto.end_round([k], seconds)
+            ks.append(k)
+        return auto, ks
+
+    assert plan(costs, alpha=0.6)[0].k > 0
+    unsure, ks = run(unsure_every=10)
+    assert unsure.current.k == 0 and ks[-128:].count(0) >= 124, ks[-128:]
+    sure, ks = run(unsure_every=1)
+    assert sure.current.k > 0 and ks[-128:].count(0) <= 4
+
+
+class EveryThirdRound(StatelessProposer):
+    """Proposes each sequence's AR continuation in one round of three, nothing in the others."""
+
+    def __init__(self, continuation: list[int]) -> None:
+        self.continuation = continuation
+        self.rounds = 0
+
+    def propose(self, seqs, num_tokens):
+        self.rounds += 1
+        done = seqs[0].num_output_tokens
+        return Proposal([self.continuation[done : done + n] if self.rounds % 3 == 0 else [] for n in num_tokens], None)
+
+
+def test_sd_tells_k_auto_the_positions_it_asked_for(draft_pair):
+    """k auto learns from every position a round asked the proposer for, including those it left
+    empty (SD passed the proposed count, so rounds without proposals told it nothing)."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ar = LLM(draft_pair["target"], deterministic=True).generate([PROMPT], params)[0].token_ids
+    llm = LLM(draft_pair["target"], mode="sd", drafter="ngram", deterministic=True)
+    auto = llm.engine.step_strategy.auto_k
+    auto.ks_for_round = lambda batch=1: [4] * batch
+    seen = []
+    auto.observe = lambda asked, accepted: seen.append((asked, accepted))
+    llm.engine.step_strategy.proposer = EveryThirdRound(ar)
+    assert llm.generate([PROMPT], params)[0].token_ids == ar
+    assert (4, 0) in seen and (4, 4) in seen  # a round left empty, and a round proposed and accepted in full
+    assert seen.count((4, 0)) > seen.count((4, 4)) and all(asked == 4 for asked, _ in seen[:4])
 
 
 def test_forward_time_is_interpolated_between_measured_windows_and_extended_past_them():

@@ -23,7 +23,11 @@ round's wall time is compared with its modelled time, and the ratio (per batch s
 average that forgets with the rounds gone by, not with the samples taken, so that a probe's
 measurement replaces one taken PROBE_EVERY rounds earlier while the machine may have been busier;
 an unmeasured pair borrows from the nearest measured pair of its kind, plain or speculating)
-scales the model's round times. A k = 0 probe round now and then, while speculating, keeps plain decoding's real
+scales the model's round times. a counts every draft position a round asked for: a proposer may
+propose fewer than k, or none (the EAGLE-3 head's confidence floor ends a chain where the head is
+unsure; prompt lookup finds no match), and a position left empty yields no token, as a rejected
+one. Counted over the positions proposed only, E(k) overstated what rounds yielded by 1.3-1.6x,
+and k auto speculated where plain decoding was faster (docs/decisions.md). A k = 0 probe round now and then, while speculating, keeps plain decoding's real
 rate known: ``k auto`` falls back to it whenever speculation does not pay. Every other probe while
 speculating runs k + 1 instead, so that a longer window gets a measured time too. The step times
 are measured once, in a fraction of a second; on a busy machine they can price the longer windows
@@ -261,11 +265,13 @@ class AutoK:
         nearest = min(same_kind, key=lambda bk: (abs(math.log2(bk[0] / batch)), abs(bk[1] - k), bk[1]))
         return self._overhead[nearest]
 
-    def observe(self, proposed: int, accepted: int) -> None:
-        """One sequence's round: ``accepted`` of ``proposed`` draft tokens."""
-        if proposed == 0:
+    def observe(self, asked: int, accepted: int) -> None:
+        """One sequence's round: it asked its proposer for ``asked`` draft tokens (k, or fewer
+        near max_tokens or the context's end) and ``accepted`` of them were accepted. A position
+        the proposer left empty ends the run as a rejection does."""
+        if asked == 0:
             return
-        trials = accepted + (1 if accepted < proposed else 0)
+        trials = accepted + (1 if accepted < asked else 0)
         self.accepted += accepted
         self.trials += trials
         forget = RUN_DECAY**trials
@@ -319,7 +325,7 @@ class AutoK:
         verify = ", ".join(f"{t * 1000:.1f}" for t in self.costs.verify_s)
         per_seq = " per sequence" if chosen.batch > 1 else ""
         return (
-            f"{_label(chosen)}: acceptance per token a={chosen.alpha:.2f} (recent draft positions, weighted: "
+            f"{_label(chosen)}: acceptance per token a={chosen.alpha:.2f} (recent draft positions asked for, weighted: "
             f"{self.trials:.0f}), "
             f"draft step {self.costs.draft_s * 1000:.2f} ms, target forward of 1..{len(self.costs.verify_s)} rows "
             f"[{verify}] ms, measured rounds {self.overhead(chosen.k, chosen.batch):.2f}x the model's -> "

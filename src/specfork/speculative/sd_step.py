@@ -116,7 +116,8 @@ class SpeculativeStep:
             if self.auto_k is not None:
                 self.auto_k.end_round(ks, seconds)
             return out
-        proposal = self.proposer.propose(seqs, [self._budget(s, k) for s, k in zip(seqs, ks, strict=True)])
+        asked = [self._budget(s, k) for s, k in zip(seqs, ks, strict=True)]
+        proposal = self.proposer.propose(seqs, asked)
         t1 = time.perf_counter()
         logits = self._score(seqs, proposal)
         t2 = time.perf_counter()
@@ -129,8 +130,8 @@ class SpeculativeStep:
                              [(first, 1 + r.num_accepted) for (first, _), r in zip(spans, results, strict=True)])
         out = {}
         sources = proposal.sources or [None] * len(seqs)
-        for i, (seq, props, result, (first, _), source) in enumerate(zip(seqs, proposal.tokens, results, spans, sources,
-                                                                        strict=True)):
+        for i, (seq, props, result, (first, _), source, budget) in enumerate(zip(seqs, proposal.tokens, results, spans,
+                                                                                sources, asked, strict=True)):
             # The last committed token and the accepted proposals are now in the target cache.
             seq.num_cached_tokens += 1 + result.num_accepted
             self._accepted[seq.seq_id] = result.num_accepted
@@ -138,7 +139,7 @@ class SpeculativeStep:
             stats.record(len(props), result.num_accepted, draft_s, target_s, source)
             stats.last_round = (seq.num_output_tokens, len(result.tokens))
             if self.auto_k is not None:
-                self.auto_k.observe(len(props), result.num_accepted)
+                self.auto_k.observe(budget, result.num_accepted)  # a position left empty yields nothing
             logprobs = None
             if seq.params.logprobs is not None:
                 # Row first + j of the verify pass is the target's distribution for token j.
