@@ -27,8 +27,9 @@ scales the model's round times. a counts every draft position a round asked for:
 propose fewer than k, or none (the EAGLE-3 head's confidence floor ends a chain where the head is
 unsure; prompt lookup finds no match), and a position left empty yields no token, as a rejected
 one. Counted over the positions proposed only, E(k) overstated what rounds yielded by 1.3-1.6x,
-and k auto speculated where plain decoding was faster (docs/decisions.md). A k = 0 probe round now and then, while speculating, keeps plain decoding's real
-rate known: ``k auto`` falls back to it whenever speculation does not pay. Every other probe while
+and k auto speculated where plain decoding was faster (docs/decisions.md). A k = 0 probe round now
+and then, while speculating, keeps plain decoding's real rate known: ``k auto`` falls back to it
+whenever speculation does not pay. Every other probe while
 speculating runs k + 1 instead, so that a longer window gets a measured time too. The step times
 are measured once, in a fraction of a second; on a busy machine they can price the longer windows
 up to twice too high, and a k that is never run borrows the correction of the nearest one that
