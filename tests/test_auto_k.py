@@ -163,6 +163,7 @@ def test_sd_tells_k_auto_the_positions_it_asked_for(draft_pair):
     assert llm.generate([PROMPT], params)[0].token_ids == ar
     assert (4, 0) in seen and (4, 4) in seen  # a round left empty, and a round proposed and accepted in full
     assert seen.count((4, 0)) > seen.count((4, 4)) and all(asked == 4 for asked, _ in seen[:4])
+    assert [asked for asked, _ in seen if asked < 4] == [1, 0]  # the budget near max_tokens, not k
 
 
 def test_forward_time_is_interpolated_between_measured_windows_and_extended_past_them():

@@ -25,9 +25,10 @@ measurement replaces one taken PROBE_EVERY rounds earlier while the machine may 
 an unmeasured pair borrows from the nearest measured pair of its kind, plain or speculating)
 scales the model's round times. a counts every draft position a round asked for: a proposer may
 propose fewer than k, or none (the EAGLE-3 head's confidence floor ends a chain where the head is
-unsure; prompt lookup finds no match), and a position left empty yields no token, as a rejected
-one. Counted over the positions proposed only, E(k) overstated what rounds yielded by 1.3-1.6x,
-and k auto speculated where plain decoding was faster (docs/decisions.md). A k = 0 probe round now
+unsure; prompt lookup finds no match; the lookup corpus proposes at most --corpus-tokens), and a
+position left empty yields no token, as a rejected one. Counted over the positions proposed only,
+E(k) overstated what rounds yielded (with penalties 1.85 tokens expected where rounds yielded
+1.37-1.44), and k auto speculated where plain decoding was faster (docs/decisions.md). A k = 0 probe round now
 and then, while speculating, keeps plain decoding's real rate known: ``k auto`` falls back to it
 whenever speculation does not pay. Every other probe while
 speculating runs k + 1 instead, so that a longer window gets a measured time too. The step times
