@@ -113,13 +113,14 @@ def test_positions_a_proposer_leaves_empty_count_as_rejections():
     on plain decoding. The same head proposing in every round must go on speculating."""
     costs = StepCosts(draft_s=0.0005, verify_s=tuple(0.005 + 0.0006 * (m - 1) for m in range(1, 10)))
 
-    def run(unsure_every: int) -> tuple[AutoK, list[int]]:
+    def run(unsure_every: int, count_empty: bool = True) -> tuple[AutoK, list[int]]:
         auto, ks, proposing = AutoK(costs), [], 0
         for i in range(600):
             k = auto.ks_for_round()[0]
             seconds = modelled_round_s(costs, 0)
             if k and i % unsure_every:  # unsure: nothing proposed
-                auto.observe(k, 0)
+                if count_empty:
+                    auto.observe(k, 0)
                 seconds += 2 * costs.draft_s
             elif k:
                 proposing += 1
@@ -134,6 +135,8 @@ def test_positions_a_proposer_leaves_empty_count_as_rejections():
     assert unsure.current.k == 0 and ks[-128:].count(0) >= 124, ks[-128:]
     sure, ks = run(unsure_every=1)
     assert sure.current.k > 0 and ks[-128:].count(0) <= 4
+    proposed_only, ks = run(unsure_every=10, count_empty=False)  # SD's old count: empty rounds unheard
+    assert proposed_only.current.k > 0 and ks[-128:].count(0) <= 4
 
 
 class EveryThirdRound(StatelessProposer):

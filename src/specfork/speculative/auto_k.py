@@ -28,10 +28,10 @@ propose fewer than k, or none (the EAGLE-3 head's confidence floor ends a chain 
 unsure; prompt lookup finds no match; the lookup corpus proposes at most --corpus-tokens), and a
 position left empty yields no token, as a rejected one. Counted over the positions proposed only,
 E(k) overstated what rounds yielded (with penalties 1.85 tokens expected where rounds yielded
-1.37-1.44), and k auto speculated where plain decoding was faster (docs/decisions.md). A k = 0 probe round now
-and then, while speculating, keeps plain decoding's real rate known: ``k auto`` falls back to it
-whenever speculation does not pay. Every other probe while
-speculating runs k + 1 instead, so that a longer window gets a measured time too. The step times
+1.37-1.44), and k auto speculated where plain decoding was faster (docs/decisions.md). A k = 0
+probe round now and then, while speculating, keeps plain decoding's real rate known: ``k auto``
+falls back to it whenever speculation does not pay. Every other probe while speculating runs
+k + 1 instead, so that a longer window gets a measured time too. The step times
 are measured once, in a fraction of a second; on a busy machine they can price the longer windows
 up to twice too high, and a k that is never run borrows the correction of the nearest one that
 is, so without these probes k auto never found out (it stayed at k = 1 through a benchmark run;
