@@ -286,6 +286,39 @@ def test_one_native_call_per_forward_is_bit_identical_to_the_module_path(quantiz
 
 
 @needs_kernel
+def test_the_prepared_stack_reads_weights_whose_storage_was_replaced(quantized_ggufs):
+    """The one-call stack parses its weights once. A weight whose storage is replaced afterwards
+    (loading moves the packed weights onto 2 MB pages that way, after the model is built) must be
+    read where it now lives: here a layer's down projection gets new values in new storage while
+    the old storage stays alive, so reading the old pointers would give the old logits."""
+    from specfork.bench.forward import unfused
+    from specfork.engine.sequence import Sequence
+
+    llm = LLM(str(quantized_ggufs["q4_1"]))
+    engine, model = llm.engine, llm.engine.loaded.model
+    prompt = [1, 17, 33, 5, 99, 201, 4, 8, 3, 3, 7]
+    seq = Sequence(-1, prompt + [5], SamplingParams(temperature=0.0), torch.Generator())
+    engine.block_manager.grow(seq, len(prompt) + 1)
+
+    def decode() -> torch.Tensor:
+        engine.runner.forward([seq], [0], [prompt], [len(prompt) - 1], decode=False)
+        return engine.runner.forward([seq], [len(prompt)], [[5]], [0])
+
+    try:
+        before = decode()
+        down = model.layers[1].mlp.down_proj
+        old = down.values.data  # kept alive: its pointer stays valid, so only a stale read would find it
+        down.values.data = torch.flip(old, dims=[0]).contiguous()  # other values, new storage
+        one_call = decode()
+        with unfused(model):
+            modules = decode()
+        assert torch.equal(one_call, modules) and not torch.equal(one_call, before)
+        assert old.data_ptr() != down.values.data_ptr()
+    finally:
+        engine.block_manager.free(seq)
+
+
+@needs_kernel
 def test_a_prompt_prefilled_in_one_pass_equals_the_prompt_fed_token_by_token(quantized_ggufs):
     """Prefill takes the native path (the batch-invariant attention kernel, one native call), so
     a prompt's logits and KV cache are the same, bit for bit, whether it is prefilled in one pass,

@@ -18,7 +18,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_decode_isa", &paged_attention_decode_isa, py::call_guard<py::gil_scoped_release>(), "paged_attention_decode on a named instruction set (for tests)");
   m.def("attention_chunk", &attention_chunk, py::call_guard<py::gil_scoped_release>(), "keys per work item of paged_attention_decode (its partials are per query, chunk and head)");
   m.def("decoder_layer_decode", &decoder_layer_decode, py::call_guard<py::gil_scoped_release>(), "one Llama decoder layer of a decode/verify step");
-  m.def("decoder_stack_decode", &decoder_stack_decode, py::call_guard<py::gil_scoped_release>(), "every decoder layer, the final norm and the LM head of a decode/verify step");
+  py::class_<DecoderStack>(m, "DecoderStack", "a model's decoder layers, final norm and LM head, prepared once")
+      .def(py::init<std::vector<std::vector<torch::Tensor>>, std::vector<std::vector<int64_t>>, int64_t, int64_t, double,
+                    double, torch::Tensor, double, std::vector<torch::Tensor>, std::vector<int64_t>>())
+      .def("forward", &DecoderStack::forward, py::call_guard<py::gil_scoped_release>(),
+           "every decoder layer, the final norm and (with logits) the LM head of a decode/verify step");
   m.def("sample_logit_rows", &sample_logit_rows, py::call_guard<py::gil_scoped_release>(), "one token per row from the filtered softmax(logits / temperature), fused");
   m.def("filtered_prob_rows", &filtered_prob_rows, py::call_guard<py::gil_scoped_release>(), "each row's probabilities after its temperature, top-k and top-p");
   m.def("sample_weight_rows", &sample_weight_rows, py::call_guard<py::gil_scoped_release>(), "one token per row of weights with the row's uniform (inverse transform)");

@@ -24,6 +24,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
+#include <mutex>
 
 namespace {
 
@@ -55,25 +57,37 @@ struct Shapes {
   int64_t T, H, Hq, Hkv, D, inter, attn_width;  // attn_width: qkv's inputs (H, or attn_in's width)
 };
 
-LayerWeights layer_weights(const std::vector<torch::Tensor>& w, const std::vector<int64_t>& f, const Shapes& s) {
+// One layer's weights parsed (pointers and formats) with its norms checked against the hidden size H;
+// the projections' shapes are checked against a call's shapes by check_layer.
+LayerWeights layer_weights(const std::vector<torch::Tensor>& w, const std::vector<int64_t>& f, int64_t H) {
   TORCH_CHECK(w.size() == 18 && f.size() == 8, "decoder layer: 2 norms + 4 projections");
   for (int i = 0; i < 2; ++i)
-    TORCH_CHECK(w[i].scalar_type() == torch::kFloat32 && w[i].is_contiguous() && w[i].numel() == s.H,
+    TORCH_CHECK(w[i].scalar_type() == torch::kFloat32 && w[i].is_contiguous() && w[i].numel() == H,
                 "decoder layer: the norms must be float32 of the hidden size");
   const auto projection = [&](int i) {
     const auto& bias = w[2 + 4 * i + 3];
     return parts::quant_weight(w[2 + 4 * i], w[2 + 4 * i + 1], w[2 + 4 * i + 2], f[2 * i], f[2 * i + 1],
                                bias.numel() ? &bias : nullptr);
   };
-  LayerWeights lw{w[0].data_ptr<float>(), w[1].data_ptr<float>(), projection(0), projection(1), projection(2),
-                  projection(3)};
+  return LayerWeights{w[0].data_ptr<float>(), w[1].data_ptr<float>(), projection(0), projection(1), projection(2),
+                      projection(3)};
+}
+
+void check_layer(const LayerWeights& lw, const Shapes& s) {
   TORCH_CHECK(lw.qkv.K == s.attn_width && lw.qkv.n_out == (s.Hq + 2 * s.Hkv) * s.D, "qkv projection is ", lw.qkv.K,
               " -> ", lw.qkv.n_out);
   TORCH_CHECK(lw.o.K == s.Hq * s.D && lw.o.n_out == s.H, "o projection has ", lw.o.n_out, " outputs, the hidden size is ", s.H);
   TORCH_CHECK(lw.gate_up.K == s.H && lw.gate_up.n_out == 2 * s.inter, "gate_up projection is ", lw.gate_up.K, " -> ",
               lw.gate_up.n_out);
   TORCH_CHECK(lw.down.K == s.inter && lw.down.n_out == s.H, "down projection has ", lw.down.n_out, " outputs");
-  return lw;
+}
+
+std::vector<LayerWeights> layers_of(const std::vector<std::vector<torch::Tensor>>& weights,
+                                    const std::vector<std::vector<int64_t>>& formats, int64_t H) {
+  TORCH_CHECK(!weights.empty() && formats.size() == weights.size(), "decoder layers: one format list per layer");
+  std::vector<LayerWeights> layers;
+  for (size_t i = 0; i < weights.size(); ++i) layers.push_back(layer_weights(weights[i], formats[i], H));
+  return layers;
 }
 
 // Scratch memory of a call, sized for T rows: every stage's output, and the rounded activations of
@@ -217,23 +231,21 @@ parts::QuantWeight projection_of(const std::vector<torch::Tensor>& w, const std:
 // Everything a call needs before its team starts: shapes, weights and attention plan checked (no
 // error may leave a parallel region).
 struct Call {
-  std::vector<LayerWeights> layers;
+  const std::vector<LayerWeights>& layers;  // parsed by layers_of, checked against this call's shapes here
   torch::Tensor cos, sin, slots, tables, seqs, poss;
   parts::AttentionPlan plan;
   std::unique_ptr<Scratch> scratch;
   Step step;
 
-  Call(const torch::Tensor& x, int64_t attn_width, const std::vector<std::vector<torch::Tensor>>& weights,
-       const std::vector<std::vector<int64_t>>& formats, const std::vector<torch::Tensor>& caches,
-       const torch::Tensor& cos_in, const torch::Tensor& sin_in, const torch::Tensor& block_tables,
-       const torch::Tensor& seq_of, const torch::Tensor& pos_of, const torch::Tensor& slot_mapping,
-       int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
+  Call(const torch::Tensor& x, int64_t attn_width, const std::vector<LayerWeights>& layers_in,
+       const std::vector<torch::Tensor>& caches, const torch::Tensor& cos_in, const torch::Tensor& sin_in,
+       const torch::Tensor& block_tables, const torch::Tensor& seq_of, const torch::Tensor& pos_of,
+       const torch::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
        const std::vector<const parts::QuantWeight*>& extra = {})
-      : cos(cos_in.contiguous()), sin(sin_in.contiguous()), slots(slot_mapping.contiguous()),
+      : layers(layers_in), cos(cos_in.contiguous()), sin(sin_in.contiguous()), slots(slot_mapping.contiguous()),
         tables(block_tables.contiguous()), seqs(seq_of.contiguous()), poss(pos_of.contiguous()) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be [T, H] float32");
-    TORCH_CHECK(!weights.empty() && formats.size() == weights.size() && caches.size() == weights.size(),
-                "decoder layers: one cache and format list per layer");
+    TORCH_CHECK(!layers.empty() && caches.size() == layers.size(), "decoder layers: one cache per layer");
     const auto& cache0 = caches[0];
     for (const auto& cache : caches)
       TORCH_CHECK(cache.dim() == 5 && cache.is_contiguous() && cache.sizes() == cache0.sizes() &&
@@ -250,9 +262,8 @@ struct Call {
     const int64_t slots_total = cache0.size(1) * cache0.size(3);
     const int64_t* slot = slots.data_ptr<int64_t>();
     for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < slots_total, "cache slot out of range");
-    const int64_t inter = formats[0].size() == 8 ? formats[0][4] / 2 : 0;
-    const Shapes s{T, x.size(1), num_heads, num_kv_heads, D, inter, attn_width};
-    for (size_t i = 0; i < weights.size(); ++i) layers.push_back(layer_weights(weights[i], formats[i], s));
+    const Shapes s{T, x.size(1), num_heads, num_kv_heads, D, layers[0].gate_up.n_out / 2, attn_width};
+    for (const auto& layer : layers) check_layer(layer, s);
     TORCH_CHECK(seqs.numel() == T && poss.numel() == T && poss.scalar_type() == torch::kInt64,
                 "one sequence index and position per token");
     const int64_t* pos = poss.data_ptr<int64_t>();
@@ -281,8 +292,9 @@ torch::Tensor decoder_layer_decode(const torch::Tensor& x_in, const torch::Tenso
     TORCH_CHECK(a.dim() == 2 && a.size(0) == x.size(0) && a.scalar_type() == torch::kFloat32,
                 "attn_in must be [T, K] float32");
   }
-  Call call(x, a.defined() ? a.size(1) : x.size(1), {weights}, {formats}, {cache}, cos, sin, block_tables, seq_of,
-            pos_of, slot_mapping, num_heads, num_kv_heads, eps, scale);
+  const auto layers = layers_of({weights}, {formats}, x.size(1));
+  Call call(x, a.defined() ? a.size(1) : x.size(1), layers, {cache}, cos, sin, block_tables, seq_of, pos_of,
+            slot_mapping, num_heads, num_kv_heads, eps, scale);
   auto y = torch::empty_like(x);
   const float* ap = a.defined() ? a.data_ptr<float>() : nullptr;
 #pragma omp parallel num_threads(at::get_num_threads())
@@ -290,42 +302,82 @@ torch::Tensor decoder_layer_decode(const torch::Tensor& x_in, const torch::Tenso
   return y;
 }
 
+DecoderStack::DecoderStack(std::vector<std::vector<torch::Tensor>> layer_weights,
+                           std::vector<std::vector<int64_t>> layer_formats, int64_t num_heads, int64_t num_kv_heads,
+                           double eps, double scale, torch::Tensor final_norm, double final_eps,
+                           std::vector<torch::Tensor> head_weights, std::vector<int64_t> head_format)
+    : weights_(std::move(layer_weights)), formats_(std::move(layer_formats)), num_heads_(num_heads),
+      num_kv_heads_(num_kv_heads), eps_(eps), scale_(scale), final_norm_(std::move(final_norm)),
+      final_eps_(final_eps), head_weights_(std::move(head_weights)), head_format_(std::move(head_format)) {
+  TORCH_CHECK(final_norm_.dim() == 1 && final_norm_.scalar_type() == torch::kFloat32 && final_norm_.is_contiguous(),
+              "DecoderStack: bad final norm");
+  parse();
+}
+
+// The weights' pointers as last parsed, in a fixed order: a tensor whose storage was replaced since
+// (its .data set anew, as loading does when it moves the packed weights onto 2 MB pages) changes them.
+struct DecoderStack::Parsed {
+  std::vector<LayerWeights> layers;
+  std::unique_ptr<parts::QuantWeight> head;  // none without an LM head
+  std::vector<const void*> pointers;         // the weights' data pointers when parsed
+};
+
+std::vector<const void*> DecoderStack::pointers() const {
+  std::vector<const void*> out;
+  for (const auto& layer : weights_)
+    for (const auto& t : layer) out.push_back(t.data_ptr());
+  for (const auto& t : head_weights_) out.push_back(t.data_ptr());
+  out.push_back(final_norm_.data_ptr());
+  return out;
+}
+
+void DecoderStack::parse() {
+  const int64_t H = final_norm_.numel();
+  auto parsed = std::make_shared<Parsed>();
+  parsed->layers = layers_of(weights_, formats_, H);
+  if (!head_weights_.empty()) {
+    parsed->head = std::make_unique<parts::QuantWeight>(projection_of(head_weights_, head_format_, "DecoderStack's LM head"));
+    TORCH_CHECK(parsed->head->K == H, "DecoderStack: the LM head reads ", parsed->head->K, " features, the hidden size is ", H);
+  }
+  parsed->pointers = pointers();
+  parsed_ = std::move(parsed);
+}
+
 // Every decoder layer of a decode or verification step, the final norm and optionally the LM head,
 // in one call and one parallel region. Returns {hidden after the final norm, features, logits}:
 // features, with `capture` (layer indices), the inputs of those layers concatenated in that order
 // ([T, |capture| H]: an EAGLE-3 head's features), else an empty tensor; logits [T, V] of every row
-// when head_weights (units, scales, offsets, bias or an empty tensor) and head_format (n_out,
-// format) describe a block-quantised LM head, else an empty tensor.
-std::vector<torch::Tensor> decoder_stack_decode(
-    const torch::Tensor& x_in, const std::vector<std::vector<torch::Tensor>>& layer_weights,
-    const std::vector<std::vector<int64_t>>& layer_formats, const std::vector<torch::Tensor>& caches,
-    const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& block_tables, const torch::Tensor& seq_of,
-    const torch::Tensor& pos_of, const torch::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads,
-    double eps, double scale, const std::vector<int64_t>& capture, const torch::Tensor& final_norm, double final_eps,
-    const std::vector<torch::Tensor>& head_weights, const std::vector<int64_t>& head_format) {
-  const auto x = x_in.contiguous();
-  const int64_t L = static_cast<int64_t>(layer_weights.size()), T = x.size(0), H = x.size(1);
-  std::unique_ptr<parts::QuantWeight> head;
-  if (!head_weights.empty()) {
-    head = std::make_unique<parts::QuantWeight>(projection_of(head_weights, head_format, "decoder_stack_decode's LM head"));
-    TORCH_CHECK(head->K == H, "decoder_stack_decode: the LM head reads ", head->K, " features, the hidden size is ", H);
+// with `logits` and an LM head, else an empty tensor.
+std::vector<torch::Tensor> DecoderStack::forward(const torch::Tensor& x_in, const std::vector<torch::Tensor>& caches,
+                                                 const torch::Tensor& cos, const torch::Tensor& sin,
+                                                 const torch::Tensor& block_tables, const torch::Tensor& seq_of,
+                                                 const torch::Tensor& pos_of, const torch::Tensor& slot_mapping,
+                                                 const std::vector<int64_t>& capture, bool with_logits) {
+  std::shared_ptr<const Parsed> parsed;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (pointers() != parsed_->pointers) parse();
+    parsed = parsed_;
   }
+  const auto& layers = parsed->layers;
+  const auto x = x_in.contiguous();
+  const int64_t L = static_cast<int64_t>(layers.size()), T = x.size(0), H = x.size(1);
+  TORCH_CHECK(x.dim() == 2 && H == final_norm_.numel(), "DecoderStack: x must be [T, ", final_norm_.numel(), "]");
+  const parts::QuantWeight* head = with_logits ? parsed->head.get() : nullptr;
   std::vector<const parts::QuantWeight*> extra;
-  if (head) extra.push_back(head.get());
-  Call call(x, x.size(1), layer_weights, layer_formats, caches, cos, sin, block_tables, seq_of, pos_of, slot_mapping,
-            num_heads, num_kv_heads, eps, scale, extra);
+  if (head) extra.push_back(head);
+  Call call(x, H, layers, caches, cos, sin, block_tables, seq_of, pos_of, slot_mapping, num_heads_, num_kv_heads_,
+            eps_, scale_, extra);
   for (int64_t c : capture)
-    TORCH_CHECK(c >= 0 && c < L, "decoder_stack_decode: capture names a layer it does not have");
-  TORCH_CHECK(final_norm.scalar_type() == torch::kFloat32 && final_norm.is_contiguous() && final_norm.numel() == H,
-              "decoder_stack_decode: bad final norm");
+    TORCH_CHECK(c >= 0 && c < L, "DecoderStack: capture names a layer it does not have");
   auto buffers = torch::empty({2, T, H}, x.options());
   auto hidden = torch::empty_like(x);
   auto features = torch::empty({capture.empty() ? 0 : T, static_cast<int64_t>(capture.size()) * H}, x.options());
   auto logits = torch::empty({head ? T : 0, head ? head->n_out : 0}, x.options());
   const int64_t width = features.size(1);
   float* feature_rows = features.data_ptr<float>();
-  const float* norm = final_norm.data_ptr<float>();
-  const float feps = static_cast<float>(final_eps);
+  const float* norm = final_norm_.data_ptr<float>();
+  const float feps = static_cast<float>(final_eps_);
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     const Range rows = share(T);
@@ -346,6 +398,7 @@ std::vector<torch::Tensor> decoder_stack_decode(
   }
   return {hidden, features, logits};
 }
+
 
 // An EAGLE-3 head's step (models/eagle3.py) in one call and one parallel region:
 //   h = fc(features)                  (or `hidden` as given, fc_weights empty)
@@ -391,7 +444,8 @@ std::vector<torch::Tensor> eagle3_head_decode(
   std::vector<const parts::QuantWeight*> extra{&lm_head};
   if (fc) extra.push_back(fc.get());
   auto hidden = fc ? torch::empty({T, H}, in.options()) : in;
-  Call call(hidden, 2 * H, {layer_weights}, {layer_formats}, {cache}, cos, sin, block_tables, seq_of, pos_of,
+  const auto layers = layers_of({layer_weights}, {layer_formats}, H);
+  Call call(hidden, 2 * H, layers, {cache}, cos, sin, block_tables, seq_of, pos_of,
             slot_mapping, num_heads, num_kv_heads, eps, scale, extra);
   auto attn_in = torch::empty({T, 2 * H}, in.options());
   auto out = torch::empty({T, H}, in.options());

@@ -5,6 +5,8 @@
 
 #include <torch/extension.h>
 
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -62,17 +64,39 @@ torch::Tensor decoder_layer_decode(const torch::Tensor& x, const torch::Tensor& 
                                    const torch::Tensor& pos_of, const torch::Tensor& slot_mapping,
                                    int64_t num_heads, int64_t num_kv_heads, double eps, double scale);
 
-// decoder_layer.cpp: every layer of a decode or verification step, the final norm and optionally the
-// LM head, in one call and one parallel region (the threads meet at barriers between stages);
-// {hidden, the inputs of the `capture` layers side by side (or empty), logits (or empty)}.
-std::vector<torch::Tensor> decoder_stack_decode(
-    const torch::Tensor& x, const std::vector<std::vector<torch::Tensor>>& layer_weights,
-    const std::vector<std::vector<int64_t>>& layer_formats, const std::vector<torch::Tensor>& caches,
-    const torch::Tensor& cos, const torch::Tensor& sin_signed, const torch::Tensor& block_tables,
-    const torch::Tensor& seq_of, const torch::Tensor& pos_of, const torch::Tensor& slot_mapping, int64_t num_heads,
-    int64_t num_kv_heads, double eps, double scale, const std::vector<int64_t>& capture,
-    const torch::Tensor& final_norm, double final_eps, const std::vector<torch::Tensor>& head_weights,
-    const std::vector<int64_t>& head_format);
+// decoder_layer.cpp: a model's decoder layers, final norm and (optionally) block-quantised LM head,
+// prepared once, so that a step passes only what changes: forward runs every layer of a decode or
+// verification step, the final norm and, with `logits`, the LM head in one call and one parallel
+// region (the threads meet at barriers between stages); {hidden, the inputs of the `capture` layers
+// side by side (or empty), logits (or empty)}. The weights are held, not copied, and parsed again
+// when a tensor's storage was replaced.
+class DecoderStack {
+ public:
+  DecoderStack(std::vector<std::vector<torch::Tensor>> layer_weights, std::vector<std::vector<int64_t>> layer_formats,
+               int64_t num_heads, int64_t num_kv_heads, double eps, double scale, torch::Tensor final_norm,
+               double final_eps, std::vector<torch::Tensor> head_weights, std::vector<int64_t> head_format);
+  std::vector<torch::Tensor> forward(const torch::Tensor& x, const std::vector<torch::Tensor>& caches,
+                                     const torch::Tensor& cos, const torch::Tensor& sin_signed,
+                                     const torch::Tensor& block_tables, const torch::Tensor& seq_of,
+                                     const torch::Tensor& pos_of, const torch::Tensor& slot_mapping,
+                                     const std::vector<int64_t>& capture, bool logits);
+
+ private:
+  struct Parsed;
+  std::vector<const void*> pointers() const;
+  void parse();
+
+  std::vector<std::vector<torch::Tensor>> weights_;
+  std::vector<std::vector<int64_t>> formats_;
+  int64_t num_heads_, num_kv_heads_;
+  double eps_, scale_;
+  torch::Tensor final_norm_;
+  double final_eps_;
+  std::vector<torch::Tensor> head_weights_;
+  std::vector<int64_t> head_format_;
+  std::mutex mutex_;
+  std::shared_ptr<const Parsed> parsed_;
+};
 
 // decoder_layer.cpp: an EAGLE-3 head's step in one call: fc of `input` (features; or `input` is the
 // head's hidden already, fc_weights empty), the normed token embedding and normed hidden side by

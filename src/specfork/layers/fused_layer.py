@@ -10,8 +10,10 @@ in one call (``AttentionMetadata.one_call``) on layers whose projections all run
 quantised kernel; anything else takes the module path.
 
 ``FusedDecoderStack`` goes one step further for a model whose every layer fuses: all layers, the
-final norm and the LM head in one call and one parallel region (``decoder_stack_decode``, the same
+final norm and the LM head in one call and one parallel region (``DecoderStack.forward``, the same
 per-layer code in a C++ loop), so a decode step returns to Python once instead of once per layer.
+The native ``DecoderStack`` holds the weights from the model's construction on, so a step passes
+only what changes.
 """
 
 from __future__ import annotations
@@ -71,27 +73,24 @@ def fuse_decoder_layer(input_norm: RMSNorm, projections: tuple, post_norm: RMSNo
 class FusedDecoderStack:
     def __init__(self, layers: list[FusedDecodeLayer], final_norm: RMSNorm, lm_head) -> None:
         first = layers[0]
-        self._kernels = first._kernels
-        self._weights = [layer._weights for layer in layers]
-        self._formats = [layer._formats for layer in layers]
-        self._heads, self._eps, self._scale = first._heads, first._eps, first._scale
-        self._norm = final_norm
-        self._head_weights, self._head_format = [], []
+        head_weights, head_format = [], []
         if isinstance(lm_head, QuantizedLinear):  # else the caller runs its LM head
-            bias = lm_head.bias if lm_head.bias is not None else torch.empty(0)
-            self._head_weights = [lm_head.values, lm_head.scales, lm_head.offsets, bias]
-            self._head_format = [lm_head.out_features, lm_head.format]
+            head_weights, head_format = _projection(lm_head)
+        self.native_head = bool(head_weights)
+        # Prepared once: a step passes only what changes. Passing the 540 weight tensors of a
+        # 30-layer model with every call cost 0.2-0.3 ms of a ~5 ms decode step (docs/decisions.md).
+        self._stack = first._kernels.DecoderStack(
+            [layer._weights for layer in layers], [layer._formats for layer in layers], *first._heads, first._eps,
+            first._scale, final_norm.weight, final_norm.eps, head_weights, head_format)
 
     def __call__(self, x: torch.Tensor, rope: RopeTables, caches: list[torch.Tensor], meta: AttentionMetadata,
                  capture: tuple[int, ...] = (), logits: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(hidden after the final norm, the inputs of the ``capture`` layers side by side (empty
         without), the LM head's logits of every row (empty unless ``logits`` and the LM head is
         native))."""
-        head = logits and bool(self._head_weights)
-        hidden, features, out = self._kernels.decoder_stack_decode(
-            x.contiguous(), self._weights, self._formats, caches, *_rope_tables(rope, meta), meta.block_tables,
-            meta.seq_index, meta.positions, meta.slot_mapping, *self._heads, self._eps, self._scale, list(capture),
-            self._norm.weight, self._norm.eps, self._head_weights if head else [], self._head_format if head else [],
+        hidden, features, out = self._stack.forward(
+            x.contiguous(), caches, *_rope_tables(rope, meta), meta.block_tables, meta.seq_index, meta.positions,
+            meta.slot_mapping, list(capture), logits and self.native_head,
         )
         return hidden, features, out
 
