@@ -680,3 +680,24 @@ def test_bench_serve_does_not_count_a_wait_after_its_last_request(monkeypatch):
     monkeypatch.setattr(serve_bench, "_one", instant)
     _, duration = asyncio.run(serve_bench._run_rate(None, "m", [{}, {}], rate=2.0, seed=0))
     assert 0.93 < duration < 1.2  # seed 0's gaps at rate 2: 0.930 s, then 0.709 s after the last request (not waited)
+
+
+def test_the_draft_step_ratio_is_the_median_of_side_by_side_pairs(monkeypatch):
+    """One pair measured on a busy moment put a head step at 1/11 of a target decode step where
+    twelve pairs had a median of 1/19: the bench reports the median ratio of RATIO_PAIRS pairs,
+    each draft step divided by the target step measured right after it."""
+    import types
+
+    import specfork.bench.runner as runner
+    import specfork.speculative.auto_k as auto_k
+
+    drafts = iter([0.30, 0.25, 0.25, 0.40, 0.25, 0.25, 0.25])
+    targets = iter([5.0, 5.0, 2.5, 5.0, 5.0, 5.0, 5.0])  # the third and fourth pairs are outliers
+    proposer = types.SimpleNamespace(draft_step_seconds=lambda: next(drafts))
+    llm = types.SimpleNamespace(engine=types.SimpleNamespace(step_strategy=types.SimpleNamespace(proposer=proposer),
+                                                             runner=None, block_manager=None))
+    monkeypatch.setattr(auto_k, "measure_forward", lambda runner, blocks, rows: next(targets))
+    assert runner.RATIO_PAIRS == 7
+    assert runner._draft_step_ratio(llm) == pytest.approx(0.05)  # 0.25 / 5.0; the mean would be 0.063
+    assert runner._draft_step_ratio(types.SimpleNamespace(engine=types.SimpleNamespace(
+        step_strategy=types.SimpleNamespace(proposer=object())))) is None

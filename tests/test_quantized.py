@@ -304,17 +304,28 @@ def test_the_prepared_stack_reads_weights_whose_storage_was_replaced(quantized_g
         engine.runner.forward([seq], [0], [prompt], [len(prompt) - 1], decode=False)
         return engine.runner.forward([seq], [len(prompt)], [[5]], [0])
 
+    stack, calls = model.fused_stack, []
+    assert stack is not None
+
+    def counted(*args):
+        calls.append(1)
+        return stack(*args)
+
+    model.fused_stack = counted
     try:
         before = decode()
+        assert calls, "the decode did not run through the one-call stack"
         down = model.layers[1].mlp.down_proj
         old = down.values.data  # kept alive: its pointer stays valid, so only a stale read would find it
         down.values.data = torch.flip(old, dims=[0]).contiguous()  # other values, new storage
+        calls.clear()
         one_call = decode()
+        assert calls
         with unfused(model):
             modules = decode()
         assert torch.equal(one_call, modules) and not torch.equal(one_call, before)
-        assert old.data_ptr() != down.values.data_ptr()
     finally:
+        model.fused_stack = stack
         engine.block_manager.free(seq)
 
 

@@ -309,8 +309,6 @@ DecoderStack::DecoderStack(std::vector<std::vector<torch::Tensor>> layer_weights
     : weights_(std::move(layer_weights)), formats_(std::move(layer_formats)), num_heads_(num_heads),
       num_kv_heads_(num_kv_heads), eps_(eps), scale_(scale), final_norm_(std::move(final_norm)),
       final_eps_(final_eps), head_weights_(std::move(head_weights)), head_format_(std::move(head_format)) {
-  TORCH_CHECK(final_norm_.dim() == 1 && final_norm_.scalar_type() == torch::kFloat32 && final_norm_.is_contiguous(),
-              "DecoderStack: bad final norm");
   parse();
 }
 
@@ -332,6 +330,8 @@ std::vector<const void*> DecoderStack::pointers() const {
 }
 
 void DecoderStack::parse() {
+  TORCH_CHECK(final_norm_.dim() == 1 && final_norm_.scalar_type() == torch::kFloat32 && final_norm_.is_contiguous(),
+              "DecoderStack: bad final norm");
   const int64_t H = final_norm_.numel();
   auto parsed = std::make_shared<Parsed>();
   parsed->layers = layers_of(weights_, formats_, H);
