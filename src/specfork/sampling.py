@@ -101,11 +101,8 @@ def _adjust_window(rows: torch.Tensor, history: TokenHistory) -> None:
     a = rows.numpy() if on_cpu else rows.float().cpu().numpy()
     num_output = len(history.token_ids) - history.num_prompt_tokens
     drafts = list(history.drafts[: n - 1])
-    if params.allowed_token_ids:  # keep their logits, fill the rest (a store through a mask takes 5x as long)
-        allowed = np.unique(np.fromiter(params.allowed_token_ids, dtype=np.int64))
-        kept = a[:, allowed]
-        a.fill(-np.inf)
-        a[:, allowed] = kept
+    if params.allowed_token_ids:
+        _keep_only(a, np.unique(np.fromiter(params.allowed_token_ids, dtype=np.int64)))
     if history.bad_words:  # matched against the output only, as vLLM does (never the prompt)
         before = max(len(w) for w in history.bad_words) - 1  # the context a word's first tokens need
         tail = list(history.token_ids[max(history.num_prompt_tokens, len(history.token_ids) - before) :])
@@ -143,13 +140,19 @@ def _adjust_window(rows: torch.Tensor, history: TokenHistory) -> None:
     if params.min_p > 0.0 and not params.greedy:
         # p < min_p * p_max at temperature T  <=>  logit < largest + T * log(min_p)
         floor = a.max(axis=1) + np.float32(params.temperature * math.log(params.min_p))
-        for row, lowest in zip(a, floor, strict=True):  # few tokens stay: keep them, fill the rest (a masked
-            kept = np.flatnonzero(row >= lowest)        # store took 5x as long)
-            values = row[kept]
-            row.fill(-np.inf)
-            row[kept] = values
+        for row, lowest in zip(a, floor, strict=True):
+            _keep_only(row, np.flatnonzero(row >= lowest))
     if not on_cpu:
         rows.copy_(torch.from_numpy(a))
+
+
+def _keep_only(a: np.ndarray, columns: np.ndarray) -> None:
+    """Every column of ``a`` (a row, or rows) but ``columns`` set to -inf: the few kept values are
+    read out, the whole array filled, and they are put back (a store through a mask took 5x as
+    long)."""
+    kept = a[..., columns]
+    a.fill(-np.inf)
+    a[..., columns] = kept
 
 
 def sampling_tensors(
