@@ -149,6 +149,41 @@ def test_the_int4_head_runs_one_call_and_the_fused_layer_bit_for_bit_like_its_mo
     assert one_call[0].shape == (1 + 9 - 4, 64)
 
 
+def test_the_prepared_head_step_reads_weights_whose_storage_was_replaced(tiny_target, tmp_path):
+    """The head's one-call step holds its weights, parsed once; an LM head given other values in
+    new storage (the old one kept alive, so a stale read would find it) must be read where it now
+    lives, as the module path reads it."""
+    from specfork.native_kernels import kernels
+
+    if kernels() is None:
+        pytest.skip("native kernels not built")
+    write_tiny_head(tmp_path / "head", tiny_target, draft_ids=list(range(0, 256, 4)), seed=2)
+    target = LLM(str(tiny_target)).engine.loaded
+    head = load_eagle3_head(tmp_path / "head", target, device=torch.device("cpu"), quantize_group=32)
+    step, decode = head.fused_step, head.fused_decode
+    assert step is not None
+    gen = torch.Generator().manual_seed(1)
+    features = torch.randn(9, 3 * 64, generator=gen)
+    next_ids = torch.randint(0, 256, (9,), generator=gen).tolist()
+    before = _head_chain_paged(head, features, next_ids, split=4)
+    old = head.lm_head.values.data  # kept alive
+    head.lm_head.values.data = torch.flip(old, dims=[0]).contiguous()
+    calls = []
+
+    def counted(*args):
+        calls.append(1)
+        return step(*args)
+
+    head.fused_step = counted
+    one_call = _head_chain_paged(head, features, next_ids, split=4)
+    assert calls, "the chain did not run the one-call step"
+    head.fused_step = head.fused_decode = None
+    modules = _head_chain_paged(head, features, next_ids, split=4)
+    head.fused_step, head.fused_decode = step, decode
+    assert all(torch.equal(a, b) for a, b in zip(one_call, modules, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(one_call, before, strict=True))
+
+
 def config_arch(path):
     return read_eagle3_config(path).arch
 

@@ -27,5 +27,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("filtered_prob_rows", &filtered_prob_rows, py::call_guard<py::gil_scoped_release>(), "each row's probabilities after its temperature, top-k and top-p");
   m.def("sample_weight_rows", &sample_weight_rows, py::call_guard<py::gil_scoped_release>(), "one token per row of weights with the row's uniform (inverse transform)");
   m.def("verify_logit_rows", &verify_logit_rows, py::call_guard<py::gil_scoped_release>(), "speculative sampling's verification of one sequence from its logits");
-  m.def("eagle3_head_decode", &eagle3_head_decode, py::call_guard<py::gil_scoped_release>(), "an EAGLE-3 head's step: fc, norms, its decoder layer and the LM head of chosen rows");
+  py::class_<Eagle3Step>(m, "Eagle3Step", "an EAGLE-3 head's weights, prepared once")
+      .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, torch::Tensor, torch::Tensor, torch::Tensor,
+                    std::vector<torch::Tensor>, std::vector<int64_t>, int64_t, int64_t, double, double,
+                    std::vector<torch::Tensor>, std::vector<int64_t>>())
+      .def("forward", &Eagle3Step::forward, py::call_guard<py::gil_scoped_release>(),
+           "an EAGLE-3 head's step: fc, norms, its decoder layer and the LM head of chosen rows");
 }

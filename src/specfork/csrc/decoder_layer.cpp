@@ -302,45 +302,80 @@ torch::Tensor decoder_layer_decode(const torch::Tensor& x_in, const torch::Tenso
   return y;
 }
 
+struct HeldWeights::Parsed {
+  std::vector<LayerWeights> layers;
+  std::vector<parts::QuantWeight> projections;
+  std::vector<const float*> floats;
+  std::vector<int64_t> float_rows;   // each float tensor's rows of the hidden size (1 for a norm)
+  std::vector<const void*> pointers;  // every held tensor's data pointer when parsed
+};
+
+HeldWeights::HeldWeights(std::vector<std::vector<torch::Tensor>> layers, std::vector<std::vector<int64_t>> layer_formats,
+                         std::vector<std::vector<torch::Tensor>> projections,
+                         std::vector<std::vector<int64_t>> projection_formats, std::vector<torch::Tensor> floats,
+                         int64_t hidden)
+    : layers_(std::move(layers)), layer_formats_(std::move(layer_formats)), projections_(std::move(projections)),
+      projection_formats_(std::move(projection_formats)), floats_(std::move(floats)), hidden_(hidden) {
+  TORCH_CHECK(projections_.size() == projection_formats_.size(), "held weights: one format per projection");
+  parse();
+}
+
+// The held tensors' data pointers in a fixed order: a tensor whose storage was replaced since (its
+// .data set anew) changes them.
+std::vector<const void*> HeldWeights::pointers() const {
+  std::vector<const void*> out;
+  for (const auto* group : {&layers_, &projections_})
+    for (const auto& tensors : *group)
+      for (const auto& t : tensors) out.push_back(t.data_ptr());
+  for (const auto& t : floats_) out.push_back(t.data_ptr());
+  return out;
+}
+
+void HeldWeights::parse() {
+  auto parsed = std::make_shared<Parsed>();
+  if (!layers_.empty()) parsed->layers = layers_of(layers_, layer_formats_, hidden_);
+  for (size_t i = 0; i < projections_.size(); ++i)
+    parsed->projections.push_back(projection_of(projections_[i], projection_formats_[i], "a held projection"));
+  for (const auto& t : floats_) {
+    TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.dim() >= 1 && t.size(-1) == hidden_,
+                "held weights: norms and embeddings must be contiguous float32 of the hidden size ", hidden_);
+    parsed->floats.push_back(t.data_ptr<float>());
+    parsed->float_rows.push_back(t.numel() / hidden_);
+  }
+  parsed->pointers = pointers();
+  parsed_ = std::move(parsed);
+}
+
+std::shared_ptr<const HeldWeights::Parsed> HeldWeights::parsed() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (pointers() != parsed_->pointers) parse();
+  return parsed_;
+}
+
+namespace {
+std::vector<std::vector<torch::Tensor>> none_or(std::vector<torch::Tensor> projection) {
+  if (projection.empty()) return {};
+  return {std::move(projection)};
+}
+std::vector<std::vector<int64_t>> none_or(std::vector<int64_t> format, bool present) {
+  if (!present) return {};
+  return {std::move(format)};
+}
+}  // namespace
+
 DecoderStack::DecoderStack(std::vector<std::vector<torch::Tensor>> layer_weights,
                            std::vector<std::vector<int64_t>> layer_formats, int64_t num_heads, int64_t num_kv_heads,
                            double eps, double scale, torch::Tensor final_norm, double final_eps,
                            std::vector<torch::Tensor> head_weights, std::vector<int64_t> head_format)
-    : weights_(std::move(layer_weights)), formats_(std::move(layer_formats)), num_heads_(num_heads),
-      num_kv_heads_(num_kv_heads), eps_(eps), scale_(scale), final_norm_(std::move(final_norm)),
-      final_eps_(final_eps), head_weights_(std::move(head_weights)), head_format_(std::move(head_format)) {
-  parse();
-}
-
-// The weights' pointers as last parsed, in a fixed order: a tensor whose storage was replaced since
-// (its .data set anew, as loading does when it moves the packed weights onto 2 MB pages) changes them.
-struct DecoderStack::Parsed {
-  std::vector<LayerWeights> layers;
-  std::unique_ptr<parts::QuantWeight> head;  // none without an LM head
-  std::vector<const void*> pointers;         // the weights' data pointers when parsed
-};
-
-std::vector<const void*> DecoderStack::pointers() const {
-  std::vector<const void*> out;
-  for (const auto& layer : weights_)
-    for (const auto& t : layer) out.push_back(t.data_ptr());
-  for (const auto& t : head_weights_) out.push_back(t.data_ptr());
-  out.push_back(final_norm_.data_ptr());
-  return out;
-}
-
-void DecoderStack::parse() {
-  TORCH_CHECK(final_norm_.dim() == 1 && final_norm_.scalar_type() == torch::kFloat32 && final_norm_.is_contiguous(),
-              "DecoderStack: bad final norm");
-  const int64_t H = final_norm_.numel();
-  auto parsed = std::make_shared<Parsed>();
-  parsed->layers = layers_of(weights_, formats_, H);
-  if (!head_weights_.empty()) {
-    parsed->head = std::make_unique<parts::QuantWeight>(projection_of(head_weights_, head_format_, "DecoderStack's LM head"));
-    TORCH_CHECK(parsed->head->K == H, "DecoderStack: the LM head reads ", parsed->head->K, " features, the hidden size is ", H);
-  }
-  parsed->pointers = pointers();
-  parsed_ = std::move(parsed);
+    : weights_(std::move(layer_weights), std::move(layer_formats), none_or(head_weights),
+               none_or(std::move(head_format), !head_weights.empty()), {final_norm}, final_norm.numel()),
+      num_heads_(num_heads), num_kv_heads_(num_kv_heads), eps_(eps), scale_(scale), final_eps_(final_eps) {
+  TORCH_CHECK(final_norm.dim() == 1, "DecoderStack: the final norm must be one vector");
+  const auto parsed = weights_.parsed();
+  TORCH_CHECK(!parsed->layers.empty(), "DecoderStack: no layers");
+  for (const auto& head : parsed->projections)
+    TORCH_CHECK(head.K == final_norm.numel(), "DecoderStack: the LM head reads ", head.K,
+                " features, the hidden size is ", final_norm.numel());
 }
 
 // Every decoder layer of a decode or verification step, the final norm and optionally the LM head,
@@ -353,17 +388,14 @@ std::vector<torch::Tensor> DecoderStack::forward(const torch::Tensor& x_in, cons
                                                  const torch::Tensor& block_tables, const torch::Tensor& seq_of,
                                                  const torch::Tensor& pos_of, const torch::Tensor& slot_mapping,
                                                  const std::vector<int64_t>& capture, bool with_logits) {
-  std::shared_ptr<const Parsed> parsed;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (pointers() != parsed_->pointers) parse();
-    parsed = parsed_;
-  }
+  const auto parsed = weights_.parsed();  // held until the call returns
   const auto& layers = parsed->layers;
   const auto x = x_in.contiguous();
   const int64_t L = static_cast<int64_t>(layers.size()), T = x.size(0), H = x.size(1);
-  TORCH_CHECK(x.dim() == 2 && H == final_norm_.numel(), "DecoderStack: x must be [T, ", final_norm_.numel(), "]");
-  const parts::QuantWeight* head = with_logits ? parsed->head.get() : nullptr;
+  TORCH_CHECK(parsed->float_rows[0] == 1, "DecoderStack: the final norm must be one vector");
+  TORCH_CHECK(H == weights_.hidden(), "DecoderStack: the input has ", H, " features, the model ", weights_.hidden());
+  const parts::QuantWeight* head = with_logits && !parsed->projections.empty() ? &parsed->projections[0] : nullptr;
+  if (head) TORCH_CHECK(head->K == H, "DecoderStack: the LM head reads ", head->K, " features, the input has ", H);
   std::vector<const parts::QuantWeight*> extra;
   if (head) extra.push_back(head);
   Call call(x, H, layers, caches, cos, sin, block_tables, seq_of, pos_of, slot_mapping, num_heads_, num_kv_heads_,
@@ -376,7 +408,7 @@ std::vector<torch::Tensor> DecoderStack::forward(const torch::Tensor& x_in, cons
   auto logits = torch::empty({head ? T : 0, head ? head->n_out : 0}, x.options());
   const int64_t width = features.size(1);
   float* feature_rows = features.data_ptr<float>();
-  const float* norm = final_norm_.data_ptr<float>();
+  const float* norm = parsed->floats[0];
   const float feps = static_cast<float>(final_eps_);
 #pragma omp parallel num_threads(at::get_num_threads())
   {
@@ -400,62 +432,65 @@ std::vector<torch::Tensor> DecoderStack::forward(const torch::Tensor& x_in, cons
 }
 
 
+Eagle3Step::Eagle3Step(std::vector<torch::Tensor> fc_weights, std::vector<int64_t> fc_format, torch::Tensor embedding,
+                       torch::Tensor hidden_norm, torch::Tensor final_norm, std::vector<torch::Tensor> layer_weights,
+                       std::vector<int64_t> layer_formats, int64_t num_heads, int64_t num_kv_heads, double eps,
+                       double scale, std::vector<torch::Tensor> head_weights, std::vector<int64_t> head_format)
+    : weights_({std::move(layer_weights)}, {std::move(layer_formats)}, {std::move(head_weights), std::move(fc_weights)},
+               {std::move(head_format), std::move(fc_format)}, {embedding, hidden_norm, final_norm},
+               embedding.dim() == 2 ? embedding.size(1) : -1),
+      num_heads_(num_heads), num_kv_heads_(num_kv_heads), eps_(eps), scale_(scale) {
+  TORCH_CHECK(embedding.dim() == 2 && hidden_norm.dim() == 1 && final_norm.dim() == 1,
+              "Eagle3Step: a [V, H] embedding and norms of H");
+}
+
 // An EAGLE-3 head's step (models/eagle3.py) in one call and one parallel region:
-//   h = fc(features)                  (or `hidden` as given, fc_weights empty)
+//   h = fc(features)                  (or `input` is h already, through_fc false)
 //   a = [rms_norm(embedding[ids]), rms_norm(h)]   the layer's input norm, then hidden_norm
 //   out = the decoder layer of h reading a
 //   logits[r] = lm_head(rms_norm(out[logit_rows[r]]))   the final norm; only the rows asked for
 // with the module path's kernels and arithmetic, so the results are bit-identical to it
 // (tests/test_eagle3.py). Returns {out [T, H], logits [R, n_out]}.
-std::vector<torch::Tensor> eagle3_head_decode(
-    const torch::Tensor& input, const std::vector<torch::Tensor>& fc_weights, const std::vector<int64_t>& fc_format,
-    const torch::Tensor& ids_in, const torch::Tensor& embedding_in, const torch::Tensor& hidden_norm,
-    const torch::Tensor& final_norm, const std::vector<torch::Tensor>& layer_weights,
-    const std::vector<int64_t>& layer_formats, const torch::Tensor& cos, const torch::Tensor& sin,
-    const torch::Tensor& cache, const torch::Tensor& block_tables, const torch::Tensor& seq_of,
-    const torch::Tensor& pos_of, const torch::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads,
-    double eps, double scale, const std::vector<torch::Tensor>& head_weights, const std::vector<int64_t>& head_format,
-    const std::vector<int64_t>& logit_rows) {
+std::vector<torch::Tensor> Eagle3Step::forward(const torch::Tensor& input, bool through_fc, const torch::Tensor& ids_in,
+                                               const torch::Tensor& cos, const torch::Tensor& sin,
+                                               const torch::Tensor& cache, const torch::Tensor& block_tables,
+                                               const torch::Tensor& seq_of, const torch::Tensor& pos_of,
+                                               const torch::Tensor& slot_mapping, const std::vector<int64_t>& logit_rows) {
+  const auto parsed = weights_.parsed();  // held until the call returns
+  const auto& layers = parsed->layers;
+  const auto& lm_head = parsed->projections[0];
+  const parts::QuantWeight* fc = through_fc ? &parsed->projections[1] : nullptr;
   const auto in = input.contiguous();
   const auto ids = ids_in.contiguous();
-  const auto embedding = embedding_in.contiguous();
-  TORCH_CHECK(in.dim() == 2 && in.scalar_type() == torch::kFloat32, "eagle3_head_decode: float32 [T, K] input");
-  const int64_t T = in.size(0), H = embedding.size(1);
-  TORCH_CHECK(embedding.dim() == 2 && embedding.scalar_type() == torch::kFloat32, "eagle3_head_decode: float32 embedding");
-  TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.numel() == T, "eagle3_head_decode: one int64 id per row");
-  for (const auto* norm : {&hidden_norm, &final_norm})
-    TORCH_CHECK(norm->scalar_type() == torch::kFloat32 && norm->is_contiguous() && norm->numel() == H,
-                "eagle3_head_decode: the norms must be float32 of the hidden size");
+  TORCH_CHECK(in.dim() == 2 && in.scalar_type() == torch::kFloat32, "Eagle3Step: float32 [T, K] input");
+  const int64_t T = in.size(0), H = weights_.hidden(), vocab = parsed->float_rows[0];
+  TORCH_CHECK(parsed->float_rows[1] == 1 && parsed->float_rows[2] == 1, "Eagle3Step: the norms must be vectors");
+  TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.numel() == T, "Eagle3Step: one int64 id per row");
   const int64_t* id = ids.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(id[t] >= 0 && id[t] < embedding.size(0), "eagle3_head_decode: token id out of range");
-  const auto lm_head = projection_of(head_weights, head_format, "eagle3_head_decode's LM head");
-  TORCH_CHECK(lm_head.K == H, "eagle3_head_decode: the LM head reads ", lm_head.K, " features");
-  std::unique_ptr<parts::QuantWeight> fc;
-  if (!fc_weights.empty()) {
-    fc = std::make_unique<parts::QuantWeight>(projection_of(fc_weights, fc_format, "eagle3_head_decode's fc"));
-    TORCH_CHECK(fc->K == in.size(1) && fc->n_out == H, "eagle3_head_decode: fc is ", fc->K, " -> ", fc->n_out);
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(id[t] >= 0 && id[t] < vocab, "Eagle3Step: token id out of range");
+  TORCH_CHECK(lm_head.K == H, "Eagle3Step: the LM head reads ", lm_head.K, " features");
+  if (fc) {
+    TORCH_CHECK(fc->K == in.size(1) && fc->n_out == H, "Eagle3Step: fc is ", fc->K, " -> ", fc->n_out);
   } else {
-    TORCH_CHECK(in.size(1) == H, "eagle3_head_decode: the hidden input must be [T, H]");
+    TORCH_CHECK(in.size(1) == H, "Eagle3Step: the hidden input must be [T, H]");
   }
   const int64_t R = static_cast<int64_t>(logit_rows.size());
-  TORCH_CHECK(R <= T, "eagle3_head_decode: more logit rows than rows");
-  for (int64_t r : logit_rows) TORCH_CHECK(r >= 0 && r < T, "eagle3_head_decode: logit row out of range");
+  TORCH_CHECK(R <= T, "Eagle3Step: more logit rows than rows");
+  for (int64_t r : logit_rows) TORCH_CHECK(r >= 0 && r < T, "Eagle3Step: logit row out of range");
   std::vector<const parts::QuantWeight*> extra{&lm_head};
-  if (fc) extra.push_back(fc.get());
+  if (fc) extra.push_back(fc);
   auto hidden = fc ? torch::empty({T, H}, in.options()) : in;
-  const auto layers = layers_of({layer_weights}, {layer_formats}, H);
-  Call call(hidden, 2 * H, layers, {cache}, cos, sin, block_tables, seq_of, pos_of,
-            slot_mapping, num_heads, num_kv_heads, eps, scale, extra);
+  Call call(hidden, 2 * H, layers, {cache}, cos, sin, block_tables, seq_of, pos_of, slot_mapping, num_heads_,
+            num_kv_heads_, eps_, scale_, extra);
   auto attn_in = torch::empty({T, 2 * H}, in.options());
   auto out = torch::empty({T, H}, in.options());
   auto logits = torch::empty({R, lm_head.n_out}, in.options());
   const Step& st = call.step;
-  const float feps = static_cast<float>(eps);
+  const float feps = static_cast<float>(eps_);
   float* h = hidden.data_ptr<float>();
   float* a = attn_in.data_ptr<float>();
   float* y = out.data_ptr<float>();
-  const float* emb = embedding.data_ptr<float>();
+  const float* emb = parsed->floats[0];
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     const Range rows = share(T);
@@ -465,14 +500,14 @@ std::vector<torch::Tensor> eagle3_head_decode(
     }
     for (int64_t t = rows.begin; t < rows.end; ++t) {
       parts::rms_norm_rows(emb + id[t] * H, call.layers[0].input_norm, a + t * 2 * H, H, feps, 0, 1);
-      parts::rms_norm_rows(h + t * H, hidden_norm.data_ptr<float>(), a + t * 2 * H + H, H, feps, 0, 1);
+      parts::rms_norm_rows(h + t * H, parsed->floats[1], a + t * 2 * H + H, H, feps, 0, 1);
     }
     run_layer(st, call.layers[0], h, a, cache, y);
     barrier();
     const Range picked = share(R);
     float* normed = st.scratch->normed;  // free once the layer is done
     for (int64_t r = picked.begin; r < picked.end; ++r)
-      parts::rms_norm_rows(y + logit_rows[r] * H, final_norm.data_ptr<float>(), normed + r * H, H, feps, 0, 1);
+      parts::rms_norm_rows(y + logit_rows[r] * H, parsed->floats[2], normed + r * H, H, feps, 0, 1);
     project_rows(st, lm_head, normed, R, picked, logits.data_ptr<float>());
   }
   return {out, logits};

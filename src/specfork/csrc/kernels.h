@@ -64,12 +64,43 @@ torch::Tensor decoder_layer_decode(const torch::Tensor& x, const torch::Tensor& 
                                    const torch::Tensor& pos_of, const torch::Tensor& slot_mapping,
                                    int64_t num_heads, int64_t num_kv_heads, double eps, double scale);
 
-// decoder_layer.cpp: a model's decoder layers, final norm and (optionally) block-quantised LM head,
-// prepared once, so that a step passes only what changes: forward runs every layer of a decode or
-// verification step, the final norm and, with `logits`, the LM head in one call and one parallel
-// region (the threads meet at barriers between stages); {hidden, the inputs of the `capture` layers
-// side by side (or empty), logits (or empty)}. The weights are held, not copied, and parsed again
-// when a tensor's storage was replaced.
+// decoder_layer.cpp: weights a native forward holds from its model's construction on: decoder
+// layers (18 tensors and 8 format values each: decoder_layer_decode's), single block-quantised
+// projections (units, scales, offsets, bias or an empty tensor; n_out and format) and float32
+// tensors whose last dimension is the hidden size (norms, an embedding). They are parsed once, and
+// again when a tensor's storage was replaced (loading moves the packed weights onto 2 MB pages
+// that way, after the model is built); held, not copied. A step then passes only what changes:
+// passing a 30-layer model's 540 weight tensors with every call cost 0.2-0.3 ms of a decode step.
+class HeldWeights {
+ public:
+  struct Parsed;
+  HeldWeights(std::vector<std::vector<torch::Tensor>> layers, std::vector<std::vector<int64_t>> layer_formats,
+              std::vector<std::vector<torch::Tensor>> projections, std::vector<std::vector<int64_t>> projection_formats,
+              std::vector<torch::Tensor> floats, int64_t hidden);
+  // The weights as parsed now (first parsed again if a storage moved); a snapshot stays valid while
+  // it is held, whatever later calls do.
+  std::shared_ptr<const Parsed> parsed();
+  int64_t hidden() const { return hidden_; }
+
+ private:
+  std::vector<const void*> pointers() const;
+  void parse();
+
+  std::vector<std::vector<torch::Tensor>> layers_;
+  std::vector<std::vector<int64_t>> layer_formats_;
+  std::vector<std::vector<torch::Tensor>> projections_;
+  std::vector<std::vector<int64_t>> projection_formats_;
+  std::vector<torch::Tensor> floats_;
+  int64_t hidden_;
+  std::mutex mutex_;
+  std::shared_ptr<const Parsed> parsed_;
+};
+
+// decoder_layer.cpp: a model's decoder layers, final norm and (optionally) block-quantised LM head
+// (head_weights empty: none), held: forward runs every layer of a decode or verification step, the
+// final norm and, with `logits`, the LM head in one call and one parallel region (the threads meet
+// at barriers between stages); {hidden, the inputs of the `capture` layers side by side (or
+// empty), logits (or empty)}.
 class DecoderStack {
  public:
   DecoderStack(std::vector<std::vector<torch::Tensor>> layer_weights, std::vector<std::vector<int64_t>> layer_formats,
@@ -82,35 +113,33 @@ class DecoderStack {
                                      const std::vector<int64_t>& capture, bool logits);
 
  private:
-  struct Parsed;
-  std::vector<const void*> pointers() const;
-  void parse();
-
-  std::vector<std::vector<torch::Tensor>> weights_;
-  std::vector<std::vector<int64_t>> formats_;
+  HeldWeights weights_;  // the layers; projections: the LM head, if any; floats: the final norm
   int64_t num_heads_, num_kv_heads_;
-  double eps_, scale_;
-  torch::Tensor final_norm_;
-  double final_eps_;
-  std::vector<torch::Tensor> head_weights_;
-  std::vector<int64_t> head_format_;
-  std::mutex mutex_;
-  std::shared_ptr<const Parsed> parsed_;
+  double eps_, scale_, final_eps_;
 };
 
-// decoder_layer.cpp: an EAGLE-3 head's step in one call: fc of `input` (features; or `input` is the
-// head's hidden already, fc_weights empty), the normed token embedding and normed hidden side by
-// side, the decoder layer, and the LM head of the rows logit_rows after the final norm;
-// {out [T, H], logits [|logit_rows|, n_out]}.
-std::vector<torch::Tensor> eagle3_head_decode(
-    const torch::Tensor& input, const std::vector<torch::Tensor>& fc_weights, const std::vector<int64_t>& fc_format,
-    const torch::Tensor& ids, const torch::Tensor& embedding, const torch::Tensor& hidden_norm,
-    const torch::Tensor& final_norm, const std::vector<torch::Tensor>& layer_weights,
-    const std::vector<int64_t>& layer_formats, const torch::Tensor& cos, const torch::Tensor& sin_signed,
-    const torch::Tensor& cache, const torch::Tensor& block_tables, const torch::Tensor& seq_of,
-    const torch::Tensor& pos_of, const torch::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads,
-    double eps, double scale, const std::vector<torch::Tensor>& head_weights, const std::vector<int64_t>& head_format,
-    const std::vector<int64_t>& logit_rows);
+// decoder_layer.cpp: an EAGLE-3 head's weights, held (models/eagle3.py): forward is the head's step
+// in one call: fc of `input` (the target's features; with `through_fc` false `input` is the head's
+// hidden already), the normed token embedding and normed hidden side by side, the decoder layer,
+// and the LM head of the rows logit_rows after the final norm; {out [T, H], logits
+// [|logit_rows|, n_out]}.
+class Eagle3Step {
+ public:
+  Eagle3Step(std::vector<torch::Tensor> fc_weights, std::vector<int64_t> fc_format, torch::Tensor embedding,
+             torch::Tensor hidden_norm, torch::Tensor final_norm, std::vector<torch::Tensor> layer_weights,
+             std::vector<int64_t> layer_formats, int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
+             std::vector<torch::Tensor> head_weights, std::vector<int64_t> head_format);
+  std::vector<torch::Tensor> forward(const torch::Tensor& input, bool through_fc, const torch::Tensor& ids,
+                                     const torch::Tensor& cos, const torch::Tensor& sin_signed,
+                                     const torch::Tensor& cache, const torch::Tensor& block_tables,
+                                     const torch::Tensor& seq_of, const torch::Tensor& pos_of,
+                                     const torch::Tensor& slot_mapping, const std::vector<int64_t>& logit_rows);
+
+ private:
+  HeldWeights weights_;  // the layer; projections: the LM head, fc; floats: embedding, hidden norm, final norm
+  int64_t num_heads_, num_kv_heads_;
+  double eps_, scale_;
+};
 
 // sampling.cpp: one token per row drawn from the filtered softmax(logits / temperature) with the row's
 // uniform (sampling.py's sample_from_probs over logits_to_probs, fused); each row's temperature

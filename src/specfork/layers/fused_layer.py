@@ -13,7 +13,7 @@ quantised kernel; anything else takes the module path.
 final norm and the LM head in one call and one parallel region (``DecoderStack.forward``, the same
 per-layer code in a C++ loop), so a decode step returns to Python once instead of once per layer.
 The native ``DecoderStack`` holds the weights from the model's construction on, so a step passes
-only what changes.
+only what changes; so does ``Eagle3Step``, an EAGLE-3 head's whole step (``FusedEagle3Step``).
 """
 
 from __future__ import annotations
@@ -100,6 +100,8 @@ def fuse_decoder_stack(layers: list[FusedDecodeLayer | None], final_norm: RMSNor
     (the LM head too, when it is a native quantised projection)."""
     if not layers or any(layer is None for layer in layers) or final_norm.weight.dtype != torch.float32:
         return None
+    if not final_norm.weight.is_contiguous():
+        return None
     first = layers[0]
     if any((layer._heads, layer._eps, layer._scale) != (first._heads, first._eps, first._scale) for layer in layers):
         return None
@@ -113,24 +115,19 @@ def _projection(p: QuantizedLinear) -> tuple[list[torch.Tensor], list[int]]:
 class FusedEagle3Step:
     def __init__(self, layer: FusedDecodeLayer, fc: QuantizedLinear, embedding: torch.Tensor, hidden_norm: RMSNorm,
                  final_norm: RMSNorm, lm_head: QuantizedLinear) -> None:
-        self._layer = layer
-        self._fc = _projection(fc)
-        self._embedding = embedding
-        self._hidden_norm, self._final_norm = hidden_norm.weight, final_norm.weight
-        self._lm_head = _projection(lm_head)
+        # Prepared once, as the decoder stack is: a step passes only what changes.
+        self._step = layer._kernels.Eagle3Step(*_projection(fc), embedding, hidden_norm.weight, final_norm.weight,
+                                               layer._weights, layer._formats, *layer._heads, layer._eps,
+                                               layer._scale, *_projection(lm_head))
 
     def __call__(self, ids: torch.Tensor, hidden: torch.Tensor | None, features: torch.Tensor | None,
                  rope: RopeTables, cache: torch.Tensor, meta: AttentionMetadata,
                  logit_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(the head's outputs [T, d], the LM head's logits of ``logit_rows`` [R, draft vocab]);
         the input is ``hidden`` [T, d], or ``features`` [T, 3 d_target] through fc."""
-        layer = self._layer
-        fc_weights, fc_format = self._fc if hidden is None else ([], [])
-        return layer._kernels.eagle3_head_decode(
-            features if hidden is None else hidden, fc_weights, fc_format, ids, self._embedding, self._hidden_norm,
-            self._final_norm, layer._weights, layer._formats, *_rope_tables(rope, meta), cache, meta.block_tables,
-            meta.seq_index, meta.positions, meta.slot_mapping, *layer._heads, layer._eps, layer._scale,
-            *self._lm_head, logit_rows,
+        return self._step.forward(
+            features if hidden is None else hidden, hidden is None, ids, *_rope_tables(rope, meta), cache,
+            meta.block_tables, meta.seq_index, meta.positions, meta.slot_mapping, logit_rows,
         )
 
 
@@ -140,7 +137,7 @@ def fuse_eagle3_step(layer: FusedDecodeLayer | None, fc, embedding: torch.Tensor
     projections and the embedding and norms are float32 (None elsewhere: the module path)."""
     if layer is None or not isinstance(fc, QuantizedLinear) or not isinstance(lm_head, QuantizedLinear):
         return None
-    if embedding.dtype != torch.float32 or embedding.device.type != "cpu":
+    if embedding.dtype != torch.float32 or embedding.device.type != "cpu" or not embedding.is_contiguous():
         return None
     if any(n.weight.dtype != torch.float32 or n.eps != layer._eps for n in (hidden_norm, final_norm)):
         return None
