@@ -691,13 +691,20 @@ def test_the_draft_step_ratio_is_the_median_of_side_by_side_pairs(monkeypatch):
     import specfork.bench.runner as runner
     import specfork.speculative.auto_k as auto_k
 
-    drafts = iter([0.30, 0.25, 0.25, 0.40, 0.25, 0.25, 0.25])
-    targets = iter([5.0, 5.0, 2.5, 5.0, 5.0, 5.0, 5.0])  # the third and fourth pairs are outliers
-    proposer = types.SimpleNamespace(draft_step_seconds=lambda: next(drafts))
+    # Busy moments slow both halves of a pair (pairs 2-4), one pair is an outlier of its own (5);
+    # each draft step is measured, then the target step right after it.
+    drafts = [0.25, 0.50, 0.50, 0.50, 0.25, 0.25, 0.40]
+    targets = [5.0, 10.0, 10.0, 10.0, 2.5, 5.0, 5.0]
+    clock = []
+    proposer = types.SimpleNamespace(draft_step_seconds=lambda: clock.append("draft") or drafts[len(clock) // 2])
     llm = types.SimpleNamespace(engine=types.SimpleNamespace(step_strategy=types.SimpleNamespace(proposer=proposer),
                                                              runner=None, block_manager=None))
-    monkeypatch.setattr(auto_k, "measure_forward", lambda runner, blocks, rows: next(targets))
+    monkeypatch.setattr(auto_k, "measure_forward",
+                        lambda runner, blocks, rows: clock.append("target") or targets[len(clock) // 2 - 1])
     assert runner.RATIO_PAIRS == 7
-    assert runner._draft_step_ratio(llm) == pytest.approx(0.05)  # 0.25 / 5.0; the mean would be 0.063
+    # ratios 0.05 0.05 0.05 0.05 0.1 0.05 0.08: median 0.05; a single pair would say 0.05 by luck, so
+    # the ratio of the medians (0.4 / 5 = 0.08) and the mean (0.061) are what this must not return
+    assert runner._draft_step_ratio(llm) == pytest.approx(0.05)
+    assert clock == ["draft", "target"] * 7
     assert runner._draft_step_ratio(types.SimpleNamespace(engine=types.SimpleNamespace(
         step_strategy=types.SimpleNamespace(proposer=object())))) is None

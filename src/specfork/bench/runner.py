@@ -219,7 +219,7 @@ RATIO_PAIRS = 7  # side-by-side measurements of a draft step and a target decode
 def _draft_step_ratio(llm) -> float | None:
     """One draft step (a draft model's forward, or an EAGLE-3 head step) over one target decode
     step, both of one token after a 64-token context: the median of RATIO_PAIRS ratios, each of
-    the two measured side by side (one pair on this shared machine ranged from 1/11 to 1/23)."""
+    the two measured side by side (single pairs on this shared machine ranged from 1/11 to 1/23)."""
     from specfork.speculative.auto_k import measure_forward
 
     proposer = llm.engine.step_strategy.proposer

@@ -308,6 +308,9 @@ struct HeldWeights::Parsed {
   std::vector<const float*> floats;
   std::vector<int64_t> float_rows;   // each float tensor's rows of the hidden size (1 for a norm)
   std::vector<const void*> pointers;  // every held tensor's data pointer when parsed
+  // Their storages, kept alive with the snapshot: a storage replaced while a forward runs without
+  // Python's lock is not freed under it, and no new storage can take an old one's address unseen.
+  std::vector<c10::Storage> storages;
 };
 
 HeldWeights::HeldWeights(std::vector<std::vector<torch::Tensor>> layers, std::vector<std::vector<int64_t>> layer_formats,
@@ -317,6 +320,7 @@ HeldWeights::HeldWeights(std::vector<std::vector<torch::Tensor>> layers, std::ve
     : layers_(std::move(layers)), layer_formats_(std::move(layer_formats)), projections_(std::move(projections)),
       projection_formats_(std::move(projection_formats)), floats_(std::move(floats)), hidden_(hidden) {
   TORCH_CHECK(projections_.size() == projection_formats_.size(), "held weights: one format per projection");
+  TORCH_CHECK(hidden_ > 0, "held weights: the hidden size must be positive, got ", hidden_);
   parse();
 }
 
@@ -343,6 +347,10 @@ void HeldWeights::parse() {
     parsed->float_rows.push_back(t.numel() / hidden_);
   }
   parsed->pointers = pointers();
+  for (const auto* group : {&layers_, &projections_})
+    for (const auto& tensors : *group)
+      for (const auto& t : tensors) parsed->storages.push_back(t.storage());
+  for (const auto& t : floats_) parsed->storages.push_back(t.storage());
   parsed_ = std::move(parsed);
 }
 
@@ -360,6 +368,10 @@ std::vector<std::vector<torch::Tensor>> none_or(std::vector<torch::Tensor> proje
 std::vector<std::vector<int64_t>> none_or(std::vector<int64_t> format, bool present) {
   if (!present) return {};
   return {std::move(format)};
+}
+int64_t embedding_width(const torch::Tensor& embedding) {
+  TORCH_CHECK(embedding.dim() == 2, "Eagle3Step: the embedding must be [V, H], got ", embedding.sizes());
+  return embedding.size(1);
 }
 }  // namespace
 
@@ -431,17 +443,15 @@ std::vector<torch::Tensor> DecoderStack::forward(const torch::Tensor& x_in, cons
   return {hidden, features, logits};
 }
 
-
 Eagle3Step::Eagle3Step(std::vector<torch::Tensor> fc_weights, std::vector<int64_t> fc_format, torch::Tensor embedding,
                        torch::Tensor hidden_norm, torch::Tensor final_norm, std::vector<torch::Tensor> layer_weights,
                        std::vector<int64_t> layer_formats, int64_t num_heads, int64_t num_kv_heads, double eps,
                        double scale, std::vector<torch::Tensor> head_weights, std::vector<int64_t> head_format)
     : weights_({std::move(layer_weights)}, {std::move(layer_formats)}, {std::move(head_weights), std::move(fc_weights)},
                {std::move(head_format), std::move(fc_format)}, {embedding, hidden_norm, final_norm},
-               embedding.dim() == 2 ? embedding.size(1) : -1),
+               embedding_width(embedding)),
       num_heads_(num_heads), num_kv_heads_(num_kv_heads), eps_(eps), scale_(scale) {
-  TORCH_CHECK(embedding.dim() == 2 && hidden_norm.dim() == 1 && final_norm.dim() == 1,
-              "Eagle3Step: a [V, H] embedding and norms of H");
+  TORCH_CHECK(hidden_norm.dim() == 1 && final_norm.dim() == 1, "Eagle3Step: the norms must be vectors of H");
 }
 
 // An EAGLE-3 head's step (models/eagle3.py) in one call and one parallel region:

@@ -77,8 +77,8 @@ class HeldWeights {
   HeldWeights(std::vector<std::vector<torch::Tensor>> layers, std::vector<std::vector<int64_t>> layer_formats,
               std::vector<std::vector<torch::Tensor>> projections, std::vector<std::vector<int64_t>> projection_formats,
               std::vector<torch::Tensor> floats, int64_t hidden);
-  // The weights as parsed now (first parsed again if a storage moved); a snapshot stays valid while
-  // it is held, whatever later calls do.
+  // The weights as parsed now (first parsed again if a storage moved); a snapshot keeps the
+  // storages it points into alive, so it stays valid while it is held, whatever later calls do.
   std::shared_ptr<const Parsed> parsed();
   int64_t hidden() const { return hidden_; }
 
