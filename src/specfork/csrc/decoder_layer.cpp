@@ -321,7 +321,12 @@ HeldWeights::HeldWeights(std::vector<std::vector<torch::Tensor>> layers, std::ve
       projection_formats_(std::move(projection_formats)), floats_(std::move(floats)), hidden_(hidden) {
   TORCH_CHECK(projections_.size() == projection_formats_.size(), "held weights: one format per projection");
   TORCH_CHECK(hidden_ > 0, "held weights: the hidden size must be positive, got ", hidden_);
-  parse();
+  parse();  // every check now, so that bad weights fail where the model is built
+}
+
+void HeldWeights::release() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  parsed_.reset();
 }
 
 // The held tensors' data pointers in a fixed order: a tensor whose storage was replaced since (its
@@ -356,7 +361,7 @@ void HeldWeights::parse() {
 
 std::shared_ptr<const HeldWeights::Parsed> HeldWeights::parsed() {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (pointers() != parsed_->pointers) parse();
+  if (!parsed_ || pointers() != parsed_->pointers) parse();
   return parsed_;
 }
 
@@ -388,6 +393,7 @@ DecoderStack::DecoderStack(std::vector<std::vector<torch::Tensor>> layer_weights
   for (const auto& head : parsed->projections)
     TORCH_CHECK(head.K == final_norm.numel(), "DecoderStack: the LM head reads ", head.K,
                 " features, the hidden size is ", final_norm.numel());
+  weights_.release();
 }
 
 // Every decoder layer of a decode or verification step, the final norm and optionally the LM head,
@@ -452,6 +458,7 @@ Eagle3Step::Eagle3Step(std::vector<torch::Tensor> fc_weights, std::vector<int64_
                embedding_width(embedding)),
       num_heads_(num_heads), num_kv_heads_(num_kv_heads), eps_(eps), scale_(scale) {
   TORCH_CHECK(hidden_norm.dim() == 1 && final_norm.dim() == 1, "Eagle3Step: the norms must be vectors of H");
+  weights_.release();
 }
 
 // An EAGLE-3 head's step (models/eagle3.py) in one call and one parallel region:

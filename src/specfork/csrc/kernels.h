@@ -80,6 +80,10 @@ class HeldWeights {
   // The weights as parsed now (first parsed again if a storage moved); a snapshot keeps the
   // storages it points into alive, so it stays valid while it is held, whatever later calls do.
   std::shared_ptr<const Parsed> parsed();
+  // Drop the snapshot: the next parsed() parses again. The owners call it once built (checked),
+  // since loading may still move the weights onto 2 MB pages, and a snapshot kept from then on
+  // would keep the old copies alive until the first forward.
+  void release();
   int64_t hidden() const { return hidden_; }
 
  private:
