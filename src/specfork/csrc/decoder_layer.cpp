@@ -329,14 +329,20 @@ void HeldWeights::release() {
   parsed_.reset();
 }
 
-// The held tensors' data pointers in a fixed order: a tensor whose storage was replaced since (its
-// .data set anew) changes them.
-std::vector<const void*> HeldWeights::pointers() const {
-  std::vector<const void*> out;
+// Every held tensor, in a fixed order.
+template <typename F>
+void HeldWeights::each_tensor(F f) const {
   for (const auto* group : {&layers_, &projections_})
     for (const auto& tensors : *group)
-      for (const auto& t : tensors) out.push_back(t.data_ptr());
-  for (const auto& t : floats_) out.push_back(t.data_ptr());
+      for (const auto& t : tensors) f(t);
+  for (const auto& t : floats_) f(t);
+}
+
+// The held tensors' data pointers: a tensor whose storage was replaced since (its .data set anew)
+// changes them.
+std::vector<const void*> HeldWeights::pointers() const {
+  std::vector<const void*> out;
+  each_tensor([&](const torch::Tensor& t) { out.push_back(t.data_ptr()); });
   return out;
 }
 
@@ -352,10 +358,7 @@ void HeldWeights::parse() {
     parsed->float_rows.push_back(t.numel() / hidden_);
   }
   parsed->pointers = pointers();
-  for (const auto* group : {&layers_, &projections_})
-    for (const auto& tensors : *group)
-      for (const auto& t : tensors) parsed->storages.push_back(t.storage());
-  for (const auto& t : floats_) parsed->storages.push_back(t.storage());
+  each_tensor([&](const torch::Tensor& t) { parsed->storages.push_back(t.storage()); });
   parsed_ = std::move(parsed);
 }
 
@@ -366,13 +369,11 @@ std::shared_ptr<const HeldWeights::Parsed> HeldWeights::parsed() {
 }
 
 namespace {
-std::vector<std::vector<torch::Tensor>> none_or(std::vector<torch::Tensor> projection) {
-  if (projection.empty()) return {};
-  return {std::move(projection)};
-}
-std::vector<std::vector<int64_t>> none_or(std::vector<int64_t> format, bool present) {
+// {v}, or no entries where the thing it describes is absent (an optional projection).
+template <typename T>
+std::vector<std::vector<T>> one_or_none(std::vector<T> v, bool present) {
   if (!present) return {};
-  return {std::move(format)};
+  return {std::move(v)};
 }
 int64_t embedding_width(const torch::Tensor& embedding) {
   TORCH_CHECK(embedding.dim() == 2, "Eagle3Step: the embedding must be [V, H], got ", embedding.sizes());
@@ -384,8 +385,8 @@ DecoderStack::DecoderStack(std::vector<std::vector<torch::Tensor>> layer_weights
                            std::vector<std::vector<int64_t>> layer_formats, int64_t num_heads, int64_t num_kv_heads,
                            double eps, double scale, torch::Tensor final_norm, double final_eps,
                            std::vector<torch::Tensor> head_weights, std::vector<int64_t> head_format)
-    : weights_(std::move(layer_weights), std::move(layer_formats), none_or(head_weights),
-               none_or(std::move(head_format), !head_weights.empty()), {final_norm}, final_norm.numel()),
+    : weights_(std::move(layer_weights), std::move(layer_formats), one_or_none(head_weights, !head_weights.empty()),
+               one_or_none(std::move(head_format), !head_weights.empty()), {final_norm}, final_norm.numel()),
       num_heads_(num_heads), num_kv_heads_(num_kv_heads), eps_(eps), scale_(scale), final_eps_(final_eps) {
   TORCH_CHECK(final_norm.dim() == 1, "DecoderStack: the final norm must be one vector");
   const auto parsed = weights_.parsed();

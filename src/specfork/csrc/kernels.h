@@ -87,6 +87,8 @@ class HeldWeights {
   int64_t hidden() const { return hidden_; }
 
  private:
+  template <typename F>
+  void each_tensor(F f) const;
   std::vector<const void*> pointers() const;
   void parse();
 
