@@ -195,7 +195,12 @@ BAD_REQUESTS = [
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "temperature": "hot"}), "temperature"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "temperature": 5}), "temperature"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "top_p": 0}), "top_p"),
-    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 0}), "max_tokens"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 0}), "max_tokens: 0 returns nothing"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": -1}), "max_tokens"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 0, "echo": True, "min_tokens": 2}),
+     "min_tokens (2) cannot exceed"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                         "max_tokens": 0}), "max_tokens"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": "ten"}), "max_tokens"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "n": 0}), "n: Input should be greater"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "n": 129}), "n: Input should be less"),
@@ -614,6 +619,39 @@ def test_echo_returns_the_prompt_with_its_logprobs(server, offline):
     streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, echo=True,
                                          stream=True)
     assert "".join(c.choices[0].text for c in streamed) == choice.text
+
+
+def test_echo_with_max_tokens_0_scores_the_prompts_without_generating(server, offline):
+    """The legacy OpenAI scoring call (lm-evaluation-harness's loglikelihood): prompts as token
+    ids, echo, max_tokens 0 and logprobs. Each choice is its prompt with the prompt's
+    log-probabilities and nothing after it, streamed or not."""
+    client = server.client()
+    prompts = [offline.encode(p) for p in PROMPTS[:2]]
+    expected = [offline.generate([ids], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=3))[0]
+                for ids in prompts]
+    got = client.completions.create(model=MODEL, prompt=prompts, max_tokens=0, temperature=0, echo=True, logprobs=3)
+    assert got.usage.completion_tokens == 0 and got.usage.prompt_tokens == sum(len(ids) for ids in prompts)
+    for choice, ids, want in zip(got.choices, prompts, expected, strict=True):
+        assert choice.finish_reason == "length"
+        assert choice.text == offline.engine.tokenizer.decode(ids)
+        assert len(choice.logprobs.tokens) == len(ids)  # the prompt's tokens only
+        assert choice.logprobs.token_logprobs[0] is None
+        assert choice.logprobs.token_logprobs[1:] == pytest.approx([e.logprob for e in want.prompt_logprobs], abs=1e-4)
+        tops = choice.logprobs.top_logprobs[1:]
+        assert [len(t) for t in tops] == [len({*e.top, (e.token_id, e.logprob)}) for e in want.prompt_logprobs]
+    streamed = list(client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=0, echo=True, logprobs=1,
+                                              stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == got.choices[0].text
+    assert [c.choices[0].finish_reason for c in streamed if c.choices][-1] == "length"
+    assert sum(len(c.choices[0].logprobs.tokens) for c in streamed if c.choices and c.choices[0].logprobs) \
+        == len(prompts[0])
+    assert streamed[-1].usage.completion_tokens == 0
+
+    status, reply = server.post("/v1/completions", json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 0}))
+    assert status == 400 and "echo" in reply["error"]["message"], reply
+    status, reply = server.post("/v1/completions", json.dumps(
+        {"model": MODEL, "prompt": [1] * 1024, "max_tokens": 0, "echo": True}))
+    assert status == 400 and "context holds 1024" in reply["error"]["message"], reply
 
 
 def test_n_samples_with_a_seed_are_reproducible_and_differ(server):

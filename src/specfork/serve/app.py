@@ -42,7 +42,7 @@ from specfork.serve.engine_loop import (
 from specfork.serve.metrics import ServerMetrics
 from specfork.serve.preprocess import Job, detokenize, prepare_chat, prepare_completion, tokenize
 from specfork.serve.protocol import ApiError, GenerationRequest
-from specfork.serve.responses import ChunkMaker, TokenNames, response_body
+from specfork.serve.responses import ChunkMaker, TokenNames, response_body, shown
 
 logger = logging.getLogger(__name__)
 
@@ -347,12 +347,14 @@ async def stream(loop: EngineLoop, group: RequestGroup, job: Job, chunks: ChunkM
                 prompt = event.prompt_logprobs if isinstance(event, Piece) else event.output.prompt_logprobs
                 yield sent(chunks.echo(index, prompt), index)
             if isinstance(event, Piece):
+                if job.scores_only:
+                    continue
                 generated[index] += len(event.token_ids)
                 if event.text or (event.token_ids and (job.body.return_token_ids or event.logprobs is not None)):
                     yield sent(chunks.piece(index, event.text, event.token_ids, event.logprobs), index)
             elif isinstance(event, Finished):
-                finished[index] = event.output
-                generated[index] = len(event.output.token_ids)
-                yield sent(chunks.choice(index, None, finish_reason=event.output.finish_reason), index)
+                finished[index] = shown(job, event.output)
+                generated[index] = len(finished[index].token_ids)
+                yield sent(chunks.choice(index, None, finish_reason=finished[index].finish_reason), index)
     if options is not None and options.include_usage and len(finished) == n:
         yield chunks.usage([finished[i] for i in range(n)])

@@ -44,6 +44,12 @@ class Job:
         """The prompt behind choice ``choice`` (choices are numbered across prompts, as vLLM does)."""
         return choice // self.body.n
 
+    @property
+    def scores_only(self) -> bool:
+        """Completions with echo and max_tokens 0: the engine generates one token to reach the
+        prompt's log-probabilities, and the responses leave it out."""
+        return not self.chat and self.body.scores_only
+
     def echo_text(self, choice: int) -> str | None:
         return None if self.echo_texts is None else self.echo_texts[self.prompt_of(choice)]
 
@@ -79,6 +85,8 @@ def prepare_completion(raw: bytes, engine: LLMEngine, served_model_name: str) ->
         max_tokens = body.max_tokens
         if max_tokens is None:
             max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, engine.max_model_len - len(ids))
+        elif body.scores_only:  # (encode_prompt leaves a position after the prompt)
+            max_tokens = 1  # the prompt's log-probabilities come with the first token, which is not returned
         prompt_logprobs = body.logprobs if body.echo else None
         prompts.append(ids)
         params += _sampling_params(body, max_tokens, body.top_logprobs_wanted, prompt_logprobs)

@@ -189,8 +189,25 @@ class CompletionRequest(GenerationRequest):
     OTHER_SPELLINGS: ClassVar[dict[str, str]] = {"max_completion_tokens": "max_tokens", "top_logprobs": "logprobs"}
     NEUTRAL_HERE: ClassVar[dict[str, tuple]] = {"add_special_tokens": (True,)}  # the tokenizer's own settings
     prompt: Text | list[int] | list[Text] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0, description="tokens to generate at most; 0 with echo scores the "
+                                   "prompt without generating")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+
+    @model_validator(mode="after")
+    def _nothing_to_generate_needs_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0:
+            if not self.echo:
+                raise ValueError("max_tokens: 0 returns nothing without echo: true (which returns the prompt and, "
+                                 "with logprobs, its log-probabilities)")
+            if self.min_tokens > 0:
+                raise ValueError(f"min_tokens ({self.min_tokens}) cannot exceed max_tokens (0)")
+        return self
+
+    @property
+    def scores_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its log-probabilities) back, nothing generated."""
+        return self.echo and self.max_tokens == 0
 
     @property
     def top_logprobs_wanted(self) -> int | None:

@@ -4,6 +4,7 @@ log-probabilities in the completions and chat formats."""
 from __future__ import annotations
 
 import codecs
+import dataclasses
 from collections.abc import Sequence
 
 from specfork.outputs import RequestOutput, TokenLogprob
@@ -88,6 +89,17 @@ def output_logprobs(names: TokenNames, job: Job, choice: int, entries: Sequence[
     return completion_logprobs(names, pairs, cursor or TextCursor())
 
 
+def shown(job: Job, output: RequestOutput) -> RequestOutput:
+    """``output`` as the client sees it: when the request only scores its prompt (echo with
+    max_tokens 0) the token generated alongside is left out and the choice ended by its length
+    (as vLLM answers), unless it was aborted or failed."""
+    if not job.scores_only:
+        return output
+    reason = output.finish_reason if output.finish_reason in ("abort", "error") else "length"
+    return dataclasses.replace(output, token_ids=[], text="", finish_reason=reason,
+                               logprobs=None if output.logprobs is None else [])
+
+
 def usage(prompt_len: int, outputs: Sequence[RequestOutput]) -> dict:
     return usage_of(prompt_len, sum(len(o.token_ids) for o in outputs))
 
@@ -101,6 +113,7 @@ def response_body(job: Job, rid: str, created: int, model: str, outputs: list[Re
                   names: TokenNames) -> dict:
     """The whole (non-streamed) response, one choice per output in index order."""
     choices = []
+    outputs = [shown(job, o) for o in outputs]
     for index, output in enumerate(outputs):
         extra = {"token_ids": list(output.token_ids)} if job.body.return_token_ids else {}
         if job.chat:
