@@ -262,6 +262,8 @@ def test_bench_runs_specfork_on_the_chosen_device():
     assert "k" not in _cell_settings("ar", BenchSettings()) and _cell_settings("sd", BenchSettings(k=3))["k"] == 3
     eager = BenchSettings(device="cuda", cuda_graphs=False)
     assert _engine_options("sd", eager)["cuda_graphs"] is False and _cell_settings("ar", eager)["cuda_graphs"] is False
+    # the warm-up and the repeats run the same prompts: no mode may skip their prefill
+    assert not any(_engine_options(mode, s)["prefix_caching"] for mode in ("ar", "sd", "ssd", "ngram"))
 
 
 def _bench_cli(out, *argv: str) -> dict:

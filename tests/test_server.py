@@ -621,6 +621,27 @@ def test_echo_returns_the_prompt_with_its_logprobs(server, offline):
     assert "".join(c.choices[0].text for c in streamed) == choice.text
 
 
+def test_a_conversation_resent_finds_its_prompt_in_the_prefix_cache(server):
+    """The next turn of a chat resends the earlier ones: their KV blocks are found again, the
+    usage says how many prompt tokens were cached (as OpenAI reports them), /metrics counts them,
+    and the reply is the one computing the whole prompt gives (deterministic server)."""
+    client = server.client()
+    messages = [{"role": "system", "content": "You answer in one short sentence. " * 24},
+                {"role": "user", "content": "Which planet is the largest?"}]
+
+    def cached_total() -> float:
+        text = server.get("/metrics")[1]
+        return float(re.search(r"^specfork_prompt_tokens_cached_total (\S+)$", text, re.M).group(1))
+
+    before = cached_total()
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    assert again.choices[0].message.content == first.choices[0].message.content
+    reused = again.usage.prompt_tokens_details.cached_tokens
+    assert 16 * ((first.usage.prompt_tokens - 1) // 16) == reused > 150
+    assert cached_total() - before >= reused
+
+
 def test_echo_with_max_tokens_0_scores_the_prompts_without_generating(server, offline):
     """The legacy OpenAI scoring call (lm-evaluation-harness's loglikelihood): prompts as token
     ids, echo, max_tokens 0 and logprobs. Each choice is its prompt with the prompt's

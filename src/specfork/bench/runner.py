@@ -95,8 +95,10 @@ def load_prompt_ids(llm, dataset: str, settings: BenchSettings) -> list[list[int
 
 
 def _engine_options(mode: str, s: BenchSettings) -> dict:
+    # No prefix caching: the warm-up and every repeat run the same prompts, which would then skip
+    # their prefill in AR and not under an EAGLE-3 head (which cannot use the cache).
     options = {"threads": s.threads, "max_num_seqs": max(s.batch_size, 1), "tensor_parallel_size": s.tensor_parallel_size,
-               "weights": s.weights, "device": s.device, "cuda_graphs": s.cuda_graphs}
+               "weights": s.weights, "device": s.device, "cuda_graphs": s.cuda_graphs, "prefix_caching": False}
     if mode == "sd":
         options.update(mode="sd", draft=s.draft, k=s.k, draft_confidence=s.draft_confidence,
                        lookup_first=s.lookup_first)

@@ -125,6 +125,7 @@ class LLMEngine:
         self.max_model_len = min(requested_len or arch.max_position_embeddings, capacity)
         self.num_kv_blocks = num_blocks
         self.step_strategy: Step = build_step(self) if build_step else AutoregressiveStep(self.runner)
+        self.block_manager.prefix_caching = config.prefix_caching and self.step_strategy.reuses_prefix
         self.eos_token_ids = frozenset(arch.eos_token_ids)
         self._ids = count()
         logger.info(
@@ -297,6 +298,8 @@ class LLMEngine:
         except Exception:
             logger.exception("running a batch of %d sequences failed; failing them", len(batch.seqs))
             return [self._fail(seq, "the batch this request ran in failed") for seq in batch.seqs]
+        for seq in batch.seqs:
+            self.block_manager.register(seq)
         now = time.perf_counter()
         updates = []
         for seq, new in produced.items():
@@ -408,6 +411,7 @@ class LLMEngine:
             "tpot_s": tpot,
             "tokens_per_s": n / total if total > 0 else None,
             "num_preemptions": seq.num_preemptions,
+            "num_cached_prompt_tokens": seq.num_prompt_tokens_reused,
             **{k: v for stat in seq.stats.values() for k, v in stat.as_metrics().items()},
         }
 

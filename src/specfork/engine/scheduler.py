@@ -1,7 +1,9 @@
 """Continuous batching: which sequences run in the next forward pass, and with how many tokens.
 
 A step is either a *prefill* step (waiting sequences compute their uncached tokens, in chunks
-when a prompt exceeds the token budget) or a *decode* step (every running sequence advances).
+when a prompt exceeds the token budget; with the prefix cache on, a prompt's leading full blocks
+that an earlier sequence computed are taken as they are) or a *decode* step (every running
+sequence advances).
 When the KV cache runs out during decode, the most recently admitted sequence is preempted:
 its blocks are freed and it waits at the front of the queue (behind a partly prefilled prompt,
 which keeps its blocks) to be recomputed later. Nothing is dropped and nothing is corrupted.
@@ -77,17 +79,28 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         while self.waiting and budget > 0 and len(self.running) + len(seqs) < self.max_num_seqs:
             seq = self.waiting[0]
-            uncached = _prefill_end(seq) - seq.num_cached_tokens
+            # Blocks of its prompt computed before (not for a request wanting every prompt row's
+            # log-probabilities), taken only once it is admitted: a sequence left waiting holds
+            # none, so two waiting ones cannot starve each other of the blocks they both cached.
+            hits = [] if seq.params.prompt_logprobs is not None else \
+                self.blocks.cached_prefix(seq, _prefill_end(seq) - 1)  # leaves a token to compute
+            cached = seq.num_cached_tokens + len(hits) * self.blocks.block_size
+            uncached = _prefill_end(seq) - cached
             chunk = min(uncached, budget)
             # Leave one free block per running sequence so that admitting a prompt does not
             # immediately force the running ones into preemption.
             headroom = len(self.running) + len(seqs)
-            needed = self.blocks.blocks_for(seq.num_cached_tokens + chunk) - len(seq.block_table)
-            if needed + headroom > self.blocks.num_free_blocks and (self.running or seqs):
+            free = self.blocks.num_free_blocks - self.blocks.idle_among(hits)
+            needed = self.blocks.blocks_for(cached + chunk) - len(seq.block_table) - len(hits)
+            if needed + headroom > free and (self.running or seqs):
                 break
-            if not self.blocks.can_grow(seq, seq.num_cached_tokens + chunk):
+            if needed > free:
                 break
-            self.blocks.grow(seq, seq.num_cached_tokens + chunk)
+            if hits:
+                self.blocks.take_prefix(seq, hits)
+                if not seq.num_output_tokens:
+                    seq.num_prompt_tokens_reused = cached
+            self.blocks.grow(seq, cached + chunk)
             seqs.append(seq)
             counts.append(chunk)
             budget -= chunk

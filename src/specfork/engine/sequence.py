@@ -38,7 +38,9 @@ class Sequence:
         self.generator = generator
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
+        self.block_keys: list[bytes] = []  # prefix-cache keys of the leading full, computed blocks
         self.num_cached_tokens = 0
+        self.num_prompt_tokens_reused = 0  # prompt tokens the prefix cache held at admission
         self.finish_reason: str | None = None
         self.num_preemptions = 0
         # Log-probabilities of the output tokens / of prompt tokens 1.. (None unless requested).

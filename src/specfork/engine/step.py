@@ -39,6 +39,9 @@ class StepHealth:
 
 class Step(Protocol):
     lookahead: int  # extra KV slots a decode step needs per sequence beyond the next token
+    # Whether a sequence may start from cached KV blocks of its prompt (the prefix cache): false
+    # for a step whose helpers need what the target computes at every prompt position.
+    reuses_prefix: bool
 
     def execute(self, batch: ScheduledBatch) -> dict[Sequence, NewTokens]:
         """Run the batch; return the new tokens of every sequence that produced some."""
@@ -86,6 +89,7 @@ class AutoregressiveStep:
     """Plain decoding: one forward pass, one new token per sequence."""
 
     lookahead = 0
+    reuses_prefix = True
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner

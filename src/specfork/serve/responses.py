@@ -100,8 +100,13 @@ def shown(job: Job, output: RequestOutput) -> RequestOutput:
                                logprobs=None if output.logprobs is None else [])
 
 
-def usage(prompt_len: int, outputs: Sequence[RequestOutput]) -> dict:
-    return usage_of(prompt_len, sum(len(o.token_ids) for o in outputs))
+def usage(job: Job, outputs: Sequence[RequestOutput]) -> dict:
+    """The response's usage: each prompt counted once, its cached tokens (those the prefix cache
+    held, as its first choice found them) in ``prompt_tokens_details``, as OpenAI reports them."""
+    n = job.body.n
+    cached = sum(outputs[i].metrics.get("num_cached_prompt_tokens", 0) for i in range(0, len(outputs), n))
+    return {**usage_of(job.num_prompt_tokens, sum(len(o.token_ids) for o in outputs)),
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def usage_of(prompt_len: int, completion_tokens: int) -> dict:
@@ -125,7 +130,7 @@ def response_body(job: Job, rid: str, created: int, model: str, outputs: list[Re
         choices.append({**choice, "finish_reason": output.finish_reason, **extra})
     kind = "chat.completion" if job.chat else "text_completion"
     return {"id": rid, "object": kind, "created": created, "model": model, "choices": choices,
-            "usage": usage(job.num_prompt_tokens, outputs)}
+            "usage": usage(job, outputs)}
 
 
 class ChunkMaker:
@@ -168,7 +173,7 @@ class ChunkMaker:
         return self.choice(index, text, token_ids=token_ids, logprobs=formatted)
 
     def usage(self, outputs: Sequence[RequestOutput]) -> dict:
-        return {**self.head, "choices": [], "usage": usage(self.job.num_prompt_tokens, outputs)}
+        return {**self.head, "choices": [], "usage": usage(self.job, outputs)}
 
     def with_usage_so_far(self, chunk: dict, index: int, completion_tokens: int) -> dict:
         """``chunk`` of choice ``index`` with that choice's usage up to it: its prompt's tokens and

@@ -94,6 +94,8 @@ class SpeculativeStep:
         self.k = k
         self.auto_k = auto_k
         self.lookahead = k
+        # A drafter reading the target's features (an EAGLE-3 head) needs them at every prompt position.
+        self.reuses_prefix = not proposer.feature_layers
         self.max_model_len = max_model_len
         self._accepted: dict[int, int] = {}  # seq_id -> drafts accepted in its last round
         if proposer.feature_layers:

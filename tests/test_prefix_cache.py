@@ -1,0 +1,178 @@
+"""The prefix cache: full KV blocks of computed tokens found again by their contents, shared by
+reference, evicted oldest first; and in the engine, outputs bit-identical to computing every
+prompt in full, under preemption, chunked prefill, sampling and speculative decoding."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specfork import LLM, SamplingParams
+from specfork.engine.block_manager import BlockManager
+from specfork.engine.sequence import Sequence
+
+
+def _seq(tokens: list[int], seq_id: int = 0) -> Sequence:
+    return Sequence(seq_id, tokens, SamplingParams(max_tokens=1), torch.Generator())
+
+
+def _computed(blocks: BlockManager, tokens: list[int], seq_id: int = 0) -> Sequence:
+    """A sequence holding blocks for ``tokens``, all of them computed and registered."""
+    seq = _seq(tokens, seq_id)
+    blocks.grow(seq, len(tokens))
+    seq.num_cached_tokens = len(tokens)
+    blocks.register(seq)
+    return seq
+
+
+def _admit(blocks: BlockManager, seq: Sequence, limit: int) -> int:
+    found = blocks.cached_prefix(seq, limit)
+    blocks.take_prefix(seq, found)
+    return seq.num_cached_tokens
+
+
+def test_a_prompt_takes_the_full_blocks_another_computed_up_to_where_they_differ():
+    blocks = BlockManager(16, 4, prefix_caching=True)
+    first = _computed(blocks, list(range(10, 30)))  # 5 full blocks
+    other = _seq(list(range(10, 20)) + [99] + list(range(21, 30)), 1)  # differs in block 2
+    assert _admit(blocks, other, len(other) - 1) == 8
+    assert other.block_table == first.block_table[:2]
+    # what was taken is shared, not free: the first sequence's release keeps it held
+    blocks.free(first)
+    assert blocks.num_used_blocks == 2
+    assert all(b not in blocks.allocate(blocks.num_free_blocks) for b in other.block_table)
+
+
+def test_the_limit_leaves_the_prompts_last_tokens_to_compute():
+    blocks = BlockManager(16, 4, prefix_caching=True)
+    _computed(blocks, list(range(16)))
+    same = _seq(list(range(16)), 1)
+    assert _admit(blocks, same, len(same) - 1) == 12  # the last block would leave nothing to compute
+
+
+def test_only_full_computed_blocks_are_found_and_a_different_start_finds_none():
+    blocks = BlockManager(16, 4, prefix_caching=True)
+    seq = _seq(list(range(14)))
+    blocks.grow(seq, 14)
+    seq.num_cached_tokens = 9  # blocks 0 and 1 computed, block 2 partly
+    blocks.register(seq)
+    assert len(blocks.cached_prefix(_seq(list(range(14)), 1), 13)) == 2
+    assert blocks.cached_prefix(_seq([7] + list(range(1, 14)), 2), 13) == []  # keys chain from the first block
+
+
+def test_freed_blocks_stay_findable_until_handed_out_last_blocks_first():
+    blocks = BlockManager(8, 4, prefix_caching=True)
+    seq = _computed(blocks, list(range(16)))  # blocks for 4 x 4 tokens
+    table = list(seq.block_table)
+    blocks.free(seq)
+    assert blocks.num_used_blocks == 0
+    later = _seq(list(range(16)) + [5], 1)
+    assert len(blocks.cached_prefix(later, 16)) == 4
+    blocks.allocate(4)  # the 4 never-used blocks go first
+    assert len(blocks.cached_prefix(later, 16)) == 4
+    assert blocks.allocate(1) == [table[-1]]  # then the freed sequence's last block
+    assert [b for b, _ in blocks.cached_prefix(later, 16)] == table[:3]
+
+
+def test_shrinking_and_disabling():
+    blocks = BlockManager(8, 4, prefix_caching=True)
+    seq = _computed(blocks, list(range(12)))
+    blocks.shrink(seq, 5)
+    assert len(seq.block_keys) == 2 and len(seq.block_table) == 2
+    off = BlockManager(8, 4)
+    _computed(off, list(range(12)))
+    assert off.cached_prefix(_seq(list(range(12)), 1), 11) == []
+
+
+# -- the engine -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      eos_token_id=95, bos_token_id=1)
+    path = tmp_path_factory.mktemp("tiny_prefix")
+    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+SHARED = [1] + [(7 * i) % 90 + 2 for i in range(37)]  # 38 tokens: 9 full blocks of 4 and 2 more
+PROMPTS = [SHARED + [40, 41, 42], SHARED + [50], SHARED[:21] + [60, 61, 62, 63, 64], SHARED + [40, 41, 42],
+           [1, 70, 71]]
+
+
+def _outputs(llm: LLM, params) -> list[tuple[list[int], list[float]]]:
+    """Each prompt alone, in order (so later ones can find what earlier ones computed)."""
+    outs = [llm.generate([p], sp)[0] for p, sp in zip(PROMPTS, params, strict=True)]
+    return [(o.token_ids, [e.logprob for e in o.logprobs or []]) for o in outs]
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd"])
+def test_outputs_with_the_cache_equal_computing_every_prompt_in_full(tiny_dir, mode):
+    spec = {"mode": "sd", "drafter": "ngram", "k": 3} if mode == "sd" else {}
+    greedy = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=1)] * len(PROMPTS)
+    seeded = [SamplingParams(temperature=0.9, top_k=30, max_tokens=20, ignore_eos=True, seed=7 + i)
+              for i in range(len(PROMPTS))]
+    full = LLM(tiny_dir, deterministic=True, block_size=4, prefix_caching=False, **spec)
+    cached = LLM(tiny_dir, deterministic=True, block_size=4, **spec)
+    for params in (greedy, seeded):
+        assert _outputs(cached, params) == _outputs(full, params)
+    assert full.engine.block_manager.prefix_hit_tokens == 0
+    # first pass: prompt 1 finds prompt 0's 9 shared blocks, prompt 2 five of them, prompt 3 (prompt
+    # 0 again) all 10 below its last token; second pass: prompt 0 its 10, prompt 1 9, prompt 2 its 6
+    assert cached.engine.block_manager.prefix_hit_tokens == (36 + 20 + 40) + (40 + 36 + 24 + 40)
+    assert cached.engine.block_manager.num_used_blocks == 0
+
+
+def test_under_preemption_and_chunked_prefill_outputs_are_unchanged(tiny_dir):
+    """A tiny cache: sequences sharing blocks are preempted, give back only what no other holds,
+    and come back finding their own blocks; prompts prefilled a few tokens a step."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    expected = [LLM(tiny_dir, deterministic=True, prefix_caching=False).generate([p], greedy)[0].token_ids
+                for p in PROMPTS]
+    tight = LLM(tiny_dir, deterministic=True, block_size=4, num_kv_blocks=24, max_num_batched_tokens=6)
+    outs = tight.generate(PROMPTS, greedy)
+    assert [o.token_ids for o in outs] == expected
+    assert tight.engine.scheduler.num_preemptions > 0, "the test must exercise preemption"
+    assert tight.engine.block_manager.prefix_hit_tokens > 0
+    assert tight.engine.block_manager.num_used_blocks == 0, "blocks leaked"
+
+
+def test_a_request_for_prompt_logprobs_computes_its_whole_prompt(tiny_dir):
+    llm = LLM(tiny_dir, deterministic=True, block_size=4)
+    llm.generate([PROMPTS[0]], SamplingParams(max_tokens=1))
+    want = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1)
+    out = llm.generate([PROMPTS[3]], want)[0]  # the same prompt again
+    assert out.metrics["num_cached_prompt_tokens"] == 0
+    alone = LLM(tiny_dir, deterministic=True, block_size=4, prefix_caching=False).generate([PROMPTS[3]], want)[0]
+    assert [(e.token_id, e.logprob) for e in out.prompt_logprobs] == \
+        [(e.token_id, e.logprob) for e in alone.prompt_logprobs]
+    again = llm.generate([PROMPTS[3]], SamplingParams(max_tokens=1))[0]
+    assert again.metrics["num_cached_prompt_tokens"] == 40  # its full blocks below its last token
+
+
+def test_a_drafter_reading_the_targets_features_turns_the_cache_off(tiny_dir):
+    from specfork.engine.step import AutoregressiveStep
+    from specfork.speculative.sd_step import SpeculativeStep
+
+    assert AutoregressiveStep.reuses_prefix
+
+    class FeatureProposer:
+        feature_layers = (0, 1)
+
+    class Target:
+        def capture_features(self, layers):
+            self.layers = layers
+
+    assert not SpeculativeStep(Target(), FeatureProposer(), k=2, max_model_len=64).reuses_prefix
+    FeatureProposer.feature_layers = ()
+    assert SpeculativeStep(Target(), FeatureProposer(), k=2, max_model_len=64).reuses_prefix
+
+
+def test_a_prompt_of_whole_blocks_seen_before_still_computes_its_last_token(tiny_dir):
+    llm = LLM(tiny_dir, deterministic=True, block_size=4)
+    prompt = SHARED[:36]  # 9 full blocks
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    first, again = (llm.generate([prompt], greedy)[0] for _ in range(2))
+    assert again.metrics["num_cached_prompt_tokens"] == 32 and again.token_ids == first.token_ids
