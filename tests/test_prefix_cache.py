@@ -20,13 +20,12 @@ def _computed(blocks: BlockManager, tokens: list[int], seq_id: int = 0) -> Seque
     seq = _seq(tokens, seq_id)
     blocks.grow(seq, len(tokens))
     seq.num_cached_tokens = len(tokens)
-    blocks.register(seq)
+    blocks.register(seq, seq.token_ids, seq.num_cached_tokens)
     return seq
 
 
 def _admit(blocks: BlockManager, seq: Sequence, limit: int) -> int:
-    found = blocks.cached_prefix(seq, limit)
-    blocks.take_prefix(seq, found)
+    blocks.take_prefix(seq, blocks.cached_prefix(seq.token_ids, limit))
     return seq.num_cached_tokens
 
 
@@ -37,6 +36,7 @@ def test_a_prompt_takes_the_full_blocks_another_computed_up_to_where_they_differ
     assert _admit(blocks, other, len(other) - 1) == 8
     assert other.block_table == first.block_table[:2]
     # what was taken is shared, not free: the first sequence's release keeps it held
+    blocks.register(first, first.token_ids, first.num_cached_tokens)
     blocks.free(first)
     assert blocks.num_used_blocks == 2
     assert all(b not in blocks.allocate(blocks.num_free_blocks) for b in other.block_table)
@@ -54,9 +54,25 @@ def test_only_full_computed_blocks_are_found_and_a_different_start_finds_none():
     seq = _seq(list(range(14)))
     blocks.grow(seq, 14)
     seq.num_cached_tokens = 9  # blocks 0 and 1 computed, block 2 partly
-    blocks.register(seq)
-    assert len(blocks.cached_prefix(_seq(list(range(14)), 1), 13)) == 2
-    assert blocks.cached_prefix(_seq([7] + list(range(1, 14)), 2), 13) == []  # keys chain from the first block
+    blocks.register(seq, seq.token_ids, seq.num_cached_tokens)
+    assert len(blocks.cached_prefix(list(range(14)), 13)) == 2
+    assert blocks.cached_prefix([7] + list(range(1, 14)), 13) == []  # keys chain from the first block
+
+
+def test_a_cache_whose_rows_read_the_next_token_keys_blocks_by_it_too():
+    """An EAGLE-3 head's row t reads the token at t + 1: its block holding rows 0..3 is found only
+    by a prompt whose token 4 is the same, and only once that token exists."""
+    blocks = BlockManager(16, 4, prefix_caching=True, lookahead=1)
+    seq = _seq(list(range(10)))
+    blocks.grow(seq, 9)
+    blocks.register(seq, seq.token_ids, 9)  # rows 0..8 computed: blocks 0 and 1 (rows 4..7 read token 8)
+    assert len(blocks.cached_prefix(list(range(12)), 8)) == 2
+    assert len(blocks.cached_prefix(list(range(8)) + [99], 8)) == 1  # token 8 differs: rows 4..7 differ
+    assert len(blocks.cached_prefix(list(range(8)), 8)) == 1  # no token 8 yet
+    short = _seq(list(range(8)), 1)
+    blocks.grow(short, 8)
+    blocks.register(short, short.token_ids, 8)  # row 7 would read token 8: block 1 is not final
+    assert len(short.block_keys) == 1
 
 
 def test_freed_blocks_stay_findable_until_handed_out_last_blocks_first():
@@ -65,7 +81,7 @@ def test_freed_blocks_stay_findable_until_handed_out_last_blocks_first():
     table = list(seq.block_table)
     blocks.free(seq)
     assert blocks.num_used_blocks == 0
-    later = _seq(list(range(16)) + [5], 1)
+    later = list(range(16)) + [5]
     assert len(blocks.cached_prefix(later, 16)) == 4
     blocks.allocate(4)  # the 4 never-used blocks go first
     assert len(blocks.cached_prefix(later, 16)) == 4
@@ -80,7 +96,7 @@ def test_shrinking_and_disabling():
     assert len(seq.block_keys) == 2 and len(seq.block_table) == 2
     off = BlockManager(8, 4)
     _computed(off, list(range(12)))
-    assert off.cached_prefix(_seq(list(range(12)), 1), 11) == []
+    assert off.cached_prefix(list(range(12)), 11) == []
 
 
 # -- the engine -----------------------------------------------------------------------------
@@ -152,22 +168,43 @@ def test_a_request_for_prompt_logprobs_computes_its_whole_prompt(tiny_dir):
     assert again.metrics["num_cached_prompt_tokens"] == 40  # its full blocks below its last token
 
 
-def test_a_drafter_reading_the_targets_features_turns_the_cache_off(tiny_dir):
-    from specfork.engine.step import AutoregressiveStep
-    from specfork.speculative.sd_step import SpeculativeStep
+def test_sd_with_a_head_takes_the_heads_cached_rows_with_the_targets(head_pair):
+    """The head's row t reads the target's features at t, which a cached prefix does not
+    compute again: the head keeps its own rows of those blocks cached, the target takes only
+    what the head also holds, and SD's outputs (greedy and sampled, so the head's distributions
+    too) are those of computing every prompt in full."""
+    shared = [(3 * i + 1) % 8 for i in range(13)]
+    prompts = [shared + [2, 4], shared + [5], shared[:9] + [6, 1], shared + [2, 4], shared[:12] + [7, 7]]
+    greedy = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)] * len(prompts)
+    seeded = [SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True, seed=3 + i) for i in range(len(prompts))]
 
-    assert AutoregressiveStep.reuses_prefix
+    def run(llm, params):
+        outs = [llm.generate([p], sp)[0] for p, sp in zip(prompts, params, strict=True)]
+        return [o.token_ids for o in outs], sum(o.metrics["draft_tokens_accepted"] for o in outs[1:])
 
-    class FeatureProposer:
-        feature_layers = (0, 1)
+    spec = {"mode": "sd", "draft": head_pair["draft"], "k": 3, "deterministic": True, "block_size": 4}
+    full, cached = LLM(head_pair["target"], prefix_caching=False, **spec), LLM(head_pair["target"], **spec)
+    for params in (greedy, seeded):
+        expected, _ = run(full, params)
+        got, accepted = run(cached, params)
+        assert got == expected
+        assert accepted > 0  # the sequences that took a prefix still got the head's drafts
+    head_blocks = cached.engine.step_strategy.proposer.drafts.blocks
+    # whole blocks of 4 below each prompt's last token: prompts 1-4 of the first pass find 12, 8, 12
+    # and 8 tokens (prompt 4's token 12 differs from the others', so the head's rows 8..11, which
+    # read it, do: the target takes 8 of its 12 cached tokens); the second pass 12, 12, 8, 12, 12
+    assert cached.engine.block_manager.prefix_hit_tokens == head_blocks.prefix_hit_tokens == 40 + 56
+    assert cached.engine.block_manager.num_used_blocks == 0 and head_blocks.num_used_blocks == 0
 
-    class Target:
-        def capture_features(self, layers):
-            self.layers = layers
 
-    assert not SpeculativeStep(Target(), FeatureProposer(), k=2, max_model_len=64).reuses_prefix
-    FeatureProposer.feature_layers = ()
-    assert SpeculativeStep(Target(), FeatureProposer(), k=2, max_model_len=64).reuses_prefix
+def test_ssd_with_a_head_takes_no_cached_prefix():
+    from specfork.speculative.ssd.proposer import SSDProposer
+
+    proposer = SSDProposer.__new__(SSDProposer)
+    proposer.feature_layers = (2, 5, 8)
+    assert proposer.usable_prefix(None, 32) == 0
+    proposer.feature_layers = ()
+    assert proposer.usable_prefix(None, 32) == 32
 
 
 def test_a_prompt_of_whole_blocks_seen_before_still_computes_its_last_token(tiny_dir):

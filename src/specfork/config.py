@@ -57,9 +57,9 @@ class Config:
     max_num_seqs: int = option(32, "most sequences decoded together", group=ENGINE)
     prefix_caching: bool = option(True, "reuse the KV-cache blocks of a prompt's leading tokens that an earlier "
                                   "request computed (a shared system prompt, a conversation's earlier turns) "
-                                  "instead of computing them again; not with an EAGLE-3 head, which needs the "
-                                  "model's features at every prompt position, nor for requests asking for the "
-                                  "prompt's log-probabilities; --no-prefix-caching computes every prompt in full",
+                                  "instead of computing them again (SD's EAGLE-3 head keeps its own rows of them "
+                                  "cached alike; not SSD with a head, nor requests asking for the prompt's "
+                                  "log-probabilities); --no-prefix-caching computes every prompt in full",
                                   group=ENGINE)
     cuda_graphs: bool = option(True, "on CUDA, replay decode, verify and drafting steps as CUDA graphs captured on "
                                "first use (a small model's eager step is bound by kernel launches); "

@@ -108,13 +108,7 @@ class LLMEngine:
             max_seqs=config.max_num_seqs,
             max_rows=config.k_max + 1,
         )
-        self.block_manager = BlockManager(num_blocks, config.block_size)
-        self.scheduler = Scheduler(
-            self.block_manager,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            on_release=self._release,
-        )
+        self.block_manager = BlockManager(num_blocks, config.block_size, prefix_caching=config.prefix_caching)
         capacity = num_blocks * config.block_size - config.lookahead
         if requested_len is not None and requested_len > capacity:
             raise SpecforkError(
@@ -125,7 +119,13 @@ class LLMEngine:
         self.max_model_len = min(requested_len or arch.max_position_embeddings, capacity)
         self.num_kv_blocks = num_blocks
         self.step_strategy: Step = build_step(self) if build_step else AutoregressiveStep(self.runner)
-        self.block_manager.prefix_caching = config.prefix_caching and self.step_strategy.reuses_prefix
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            on_release=self._release,
+            prefix_user=self.step_strategy,
+        )
         self.eos_token_ids = frozenset(arch.eos_token_ids)
         self._ids = count()
         logger.info(
@@ -299,7 +299,7 @@ class LLMEngine:
             logger.exception("running a batch of %d sequences failed; failing them", len(batch.seqs))
             return [self._fail(seq, "the batch this request ran in failed") for seq in batch.seqs]
         for seq in batch.seqs:
-            self.block_manager.register(seq)
+            self.block_manager.register(seq, seq.token_ids, seq.num_cached_tokens)
         now = time.perf_counter()
         updates = []
         for seq, new in produced.items():

@@ -15,6 +15,7 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from specfork.engine.block_manager import BlockManager
 from specfork.engine.sequence import Sequence, SequenceStatus
@@ -29,6 +30,20 @@ def _prefill_end(seq: Sequence) -> int:
     preemption, so that a step that draws random numbers per round (speculative decoding) draws
     the same ones and a seeded request reproduces its output."""
     return len(seq) - 1 if seq.num_output_tokens else len(seq)
+
+
+class PrefixUser(Protocol):
+    """What else holds state per prompt position (the step's drafter): how much of a cached
+    prefix it can follow, and that a sequence took one."""
+
+    def usable_prefix(self, seq: Sequence, num_tokens: int) -> int:
+        """How many of the first ``num_tokens`` cached tokens (whole blocks) ``seq`` may take."""
+        ...
+
+    def adopt_prefix(self, seq: Sequence, num_tokens: int) -> None:
+        """``seq`` took its first ``num_tokens`` tokens from the cache (at most what
+        ``usable_prefix`` allowed)."""
+        ...
 
 
 @dataclass(slots=True)
@@ -50,9 +65,11 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         on_release: Callable[[Sequence], None] | None = None,
+        prefix_user: PrefixUser | None = None,
     ) -> None:
         self.blocks = block_manager
         self.on_release = on_release  # told when a sequence's KV is dropped (preempted or finished)
+        self.prefix_user = prefix_user  # asked how much of a cached prefix a sequence may take
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -82,8 +99,7 @@ class Scheduler:
             # Blocks of its prompt computed before (not for a request wanting every prompt row's
             # log-probabilities), taken only once it is admitted: a sequence left waiting holds
             # none, so two waiting ones cannot starve each other of the blocks they both cached.
-            hits = [] if seq.params.prompt_logprobs is not None else \
-                self.blocks.cached_prefix(seq, _prefill_end(seq) - 1)  # leaves a token to compute
+            hits = self._cached_prefix(seq)
             cached = seq.num_cached_tokens + len(hits) * self.blocks.block_size
             uncached = _prefill_end(seq) - cached
             chunk = min(uncached, budget)
@@ -98,6 +114,8 @@ class Scheduler:
                 break
             if hits:
                 self.blocks.take_prefix(seq, hits)
+                if self.prefix_user is not None:
+                    self.prefix_user.adopt_prefix(seq, cached)
                 if not seq.num_output_tokens:
                     seq.num_prompt_tokens_reused = cached
             self.blocks.grow(seq, cached + chunk)
@@ -115,6 +133,17 @@ class Scheduler:
                 raise RuntimeError("KV cache too small for a single waiting sequence")
             return None
         return ScheduledBatch(seqs, counts, is_prefill=True)
+
+    def _cached_prefix(self, seq: Sequence) -> list[tuple[int, bytes]]:
+        """The cached blocks a waiting sequence holding none may start from: not for a request
+        wanting every prompt row's log-probabilities, never its last token (which must be
+        computed), and only as far as the step can follow (a drafter's own cached rows)."""
+        if seq.block_table or seq.params.prompt_logprobs is not None or not self.blocks.prefix_caching:
+            return []
+        hits = self.blocks.cached_prefix(seq.token_ids, _prefill_end(seq) - 1)
+        if hits and self.prefix_user is not None:
+            hits = hits[: self.prefix_user.usable_prefix(seq, len(hits) * self.blocks.block_size) // self.blocks.block_size]
+        return hits
 
     def _schedule_decode(self, lookahead: int) -> ScheduledBatch | None:
         scheduled: list[Sequence] = []
@@ -156,6 +185,9 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
 
     def _free(self, seq: Sequence) -> None:
+        # its computed blocks stay findable: for its own return after preemption, a prompt
+        # repeating it, or a conversation's next turn
+        self.blocks.register(seq, seq.token_ids, seq.num_cached_tokens)
         self.blocks.free(seq)
         if self.on_release is not None:
             self.on_release(seq)

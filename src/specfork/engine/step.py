@@ -39,9 +39,6 @@ class StepHealth:
 
 class Step(Protocol):
     lookahead: int  # extra KV slots a decode step needs per sequence beyond the next token
-    # Whether a sequence may start from cached KV blocks of its prompt (the prefix cache): false
-    # for a step whose helpers need what the target computes at every prompt position.
-    reuses_prefix: bool
 
     def execute(self, batch: ScheduledBatch) -> dict[Sequence, NewTokens]:
         """Run the batch; return the new tokens of every sequence that produced some."""
@@ -53,6 +50,15 @@ class Step(Protocol):
 
     def release(self, seq: Sequence) -> None:
         """``seq`` finished or was preempted: free any state the step holds for it."""
+        ...
+
+    def usable_prefix(self, seq: Sequence, num_tokens: int) -> int:
+        """How many of the first ``num_tokens`` tokens of ``seq``'s prompt, whose KV the prefix
+        cache holds, the step can start from (its helpers may need their own state for them)."""
+        ...
+
+    def adopt_prefix(self, seq: Sequence, num_tokens: int) -> None:
+        """``seq`` starts from its first ``num_tokens`` tokens cached (at most ``usable_prefix``)."""
         ...
 
     def health(self) -> StepHealth:
@@ -89,7 +95,6 @@ class AutoregressiveStep:
     """Plain decoding: one forward pass, one new token per sequence."""
 
     lookahead = 0
-    reuses_prefix = True
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
@@ -105,6 +110,12 @@ class AutoregressiveStep:
         pass
 
     def release(self, seq: Sequence) -> None:
+        pass
+
+    def usable_prefix(self, seq: Sequence, num_tokens: int) -> int:
+        return num_tokens
+
+    def adopt_prefix(self, seq: Sequence, num_tokens: int) -> None:
         pass
 
     def health(self) -> StepHealth:

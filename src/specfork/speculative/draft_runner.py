@@ -21,6 +21,7 @@ class DraftState:
 
     block_table: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
+    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its leading full blocks
 
     def keep(self, num_tokens: int) -> None:
         """Only the first ``num_tokens`` tokens of the context are still valid (the rest were

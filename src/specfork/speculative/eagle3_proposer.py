@@ -26,9 +26,10 @@ MAX_PENDING_FEATURES = 256  # positions of the target's features a sequence keep
 class Eagle3Proposer:
     def __init__(self, head, *, feature_layers: tuple[int, ...], vocab_size: int, num_blocks: int,
                  block_size: int, device: torch.device, min_confidence: float = 0.0, cuda_graphs: bool = False,
-                 max_seqs: int = 32) -> None:
+                 max_seqs: int = 32, prefix_caching: bool = False) -> None:
         self.drafts = HeadRunner(head, vocab_size=vocab_size, num_blocks=num_blocks, block_size=block_size,
-                                 device=device, cuda_graphs=cuda_graphs, max_seqs=max_seqs)
+                                 device=device, cuda_graphs=cuda_graphs, max_seqs=max_seqs,
+                                 prefix_caching=prefix_caching)
         self.head = head
         self.feature_layers = feature_layers
         self.min_confidence = min_confidence
@@ -58,6 +59,15 @@ class Eagle3Proposer:
         st = self._states.pop(seq.seq_id, None)
         if st is not None:
             self.drafts.release(st)
+
+    def usable_prefix(self, seq: Sequence, num_tokens: int) -> int:
+        """As far as the head's own cache holds its rows for the same tokens."""
+        return self.drafts.cached_rows(seq.token_ids, num_tokens)
+
+    def adopt_prefix(self, seq: Sequence, num_tokens: int) -> None:
+        state = HeadState()
+        self.drafts.adopt(state, seq.token_ids, num_tokens)
+        self._states[seq.seq_id] = state
 
     def draft_step_seconds(self) -> float:
         return self.drafts.draft_step_seconds()

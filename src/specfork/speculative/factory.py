@@ -80,6 +80,7 @@ def _head_proposer(engine: LLMEngine, spec) -> Eagle3Proposer:
         vocab_size=engine.loaded.arch.vocab_size, num_blocks=engine.num_kv_blocks, block_size=engine.config.block_size,
         device=engine.device, min_confidence=engine.config.head_confidence,
         cuda_graphs=engine.config.cuda_graphs, max_seqs=engine.config.max_num_seqs,
+        prefix_caching=engine.config.prefix_caching,
     )
 
 

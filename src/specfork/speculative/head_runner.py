@@ -73,16 +73,19 @@ class HeadRunner:
     row_offset = -1  # a token at position p is fed by row p - 1 (see the module docstring)
 
     def __init__(self, head, *, vocab_size: int, num_blocks: int, block_size: int, device: torch.device,
-                 cuda_graphs: bool = False, max_seqs: int = 32) -> None:
+                 cuda_graphs: bool = False, max_seqs: int = 32, prefix_caching: bool = False) -> None:
         """``vocab_size``: the target's vocabulary (the head's distribution is scattered into it).
         ``cuda_graphs``: on CUDA, the drafting loop's steps (one row for each of up to
-        ``max_seqs`` sequences) replay CUDA graphs (engine/step_graphs.py)."""
+        ``max_seqs`` sequences) replay CUDA graphs (engine/step_graphs.py). ``prefix_caching``:
+        rows computed from the target's features stay findable by the tokens they read (a row
+        reads the token after its position), so a prompt whose start the target takes from its
+        prefix cache finds the head's rows for it too."""
         self.head = head
         self.runner = ModelRunner(head, num_blocks=num_blocks, block_size=block_size, device=device)
         self.graphs = None
         if cuda_graphs and device.type == "cuda":
             self.graphs = self.runner.static_steps(max_seqs, 1, capture=True, forward=self.step_forward)
-        self.blocks = BlockManager(num_blocks, block_size)
+        self.blocks = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching, lookahead=1)
         self.vocab_size = vocab_size
         self.device = device
         self.draft_to_target: list[int] = head.draft_to_target.tolist()  # draft id -> target id
@@ -110,6 +113,20 @@ class HeadRunner:
             st = states[i]
             st.clean = st.num_cached_tokens = len(contexts[i]) - 1
             st.last_out, st.last_logits = out[row : row + 1], logits[j : j + 1]
+            self.blocks.register(st, contexts[i], st.clean)
+
+    def cached_rows(self, context: list[int], num_tokens: int) -> int:
+        """How many of the first ``num_tokens`` rows of a sequence with ``context`` its prefix
+        cache holds (whole blocks)."""
+        return len(self.blocks.cached_prefix(context, num_tokens)) * self.blocks.block_size
+
+    def adopt(self, state: HeadState, context: list[int], num_tokens: int) -> None:
+        """``state`` (new) starts from its first ``num_tokens`` rows cached (``cached_rows``):
+        the target's features follow from there."""
+        self.blocks.take_prefix(state, self.blocks.cached_prefix(context, num_tokens))
+        if state.num_cached_tokens != num_tokens:
+            raise RuntimeError(f"the head's cache holds {state.num_cached_tokens} rows, not the {num_tokens} taken")
+        state.clean = num_tokens
 
     def decode_step(self, tables: list, positions: list[int], tokens: list[int], hidden: torch.Tensor):
         """One row per table: token ``tokens[i]`` at ``positions[i] + 1`` read by row

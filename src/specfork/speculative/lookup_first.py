@@ -67,5 +67,11 @@ class LookupFirstProposer:
         self.lookup.release(seq)
         self.draft.release(seq)
 
+    def usable_prefix(self, seq: Sequence, num_tokens: int) -> int:
+        return self.draft.usable_prefix(seq, num_tokens)  # the lookup reads tokens only
+
+    def adopt_prefix(self, seq: Sequence, num_tokens: int) -> None:
+        self.draft.adopt_prefix(seq, num_tokens)
+
     def draft_step_seconds(self) -> float:
         return self.draft.draft_step_seconds()

@@ -68,13 +68,31 @@ class Proposer(Protocol):
         """``seq`` finished or was preempted: free everything held for it."""
         ...
 
+    def usable_prefix(self, seq: Sequence, num_tokens: int) -> int:
+        """How many of ``seq``'s first ``num_tokens`` tokens (whole KV blocks the target's prefix
+        cache holds) it may take without the target computing them again: a proposer that reads
+        the target's features needs its own state for them cached too."""
+        ...
+
+    def adopt_prefix(self, seq: Sequence, num_tokens: int) -> None:
+        """``seq`` took its first ``num_tokens`` tokens from the target's cache (at most what
+        ``usable_prefix`` allowed): the target's features start after them."""
+        ...
+
 
 class ReadsNoFeatures:
-    """A proposer that does not read the target's features."""
+    """A proposer that does not read the target's features (what it keeps per sequence, if
+    anything, it builds from the tokens, so a prompt's cached prefix changes nothing for it)."""
 
     feature_layers: tuple[int, ...] = ()
 
     def observe_features(self, seq: Sequence, first_position: int, features: torch.Tensor) -> None:
+        pass
+
+    def usable_prefix(self, seq: Sequence, num_tokens: int) -> int:
+        return num_tokens
+
+    def adopt_prefix(self, seq: Sequence, num_tokens: int) -> None:
         pass
 
 

@@ -94,8 +94,6 @@ class SpeculativeStep:
         self.k = k
         self.auto_k = auto_k
         self.lookahead = k
-        # A drafter reading the target's features (an EAGLE-3 head) needs them at every prompt position.
-        self.reuses_prefix = not proposer.feature_layers
         self.max_model_len = max_model_len
         self._accepted: dict[int, int] = {}  # seq_id -> drafts accepted in its last round
         if proposer.feature_layers:
@@ -172,6 +170,14 @@ class SpeculativeStep:
             seq.stats[_STATS].end(seq.num_output_tokens)
         self._accepted.pop(seq.seq_id, None)
         self.proposer.release(seq)
+
+    def usable_prefix(self, seq: Sequence, num_tokens: int) -> int:
+        """As far as the proposer can follow (a proposer that does not say: not at all)."""
+        usable = getattr(self.proposer, "usable_prefix", None)
+        return 0 if usable is None else usable(seq, num_tokens)
+
+    def adopt_prefix(self, seq: Sequence, num_tokens: int) -> None:
+        self.proposer.adopt_prefix(seq, num_tokens)
 
     def close(self) -> None:
         close = getattr(self.proposer, "close", None)

@@ -174,6 +174,14 @@ class SSDProposer:
         if self.fallback is not None:
             self.fallback.release(seq)
 
+    def usable_prefix(self, seq: Sequence, num_tokens: int) -> int:
+        """A draft model runs the tokens it is sent itself; a head in the drafter process needs
+        the target's features of every prompt position, so its sequences take no cached prefix."""
+        return 0 if self.feature_layers else num_tokens
+
+    def adopt_prefix(self, seq: Sequence, num_tokens: int) -> None:
+        pass
+
     def idle(self) -> None:
         """Between requests: a drafter process that died is noticed (health says degraded at
         once, not at the next request), and one due to restart is started."""
