@@ -75,6 +75,24 @@ def test_a_cache_whose_rows_read_the_next_token_keys_blocks_by_it_too():
     assert len(short.block_keys) == 1
 
 
+def test_a_held_copy_replaces_an_idle_one_and_empty_blocks_go_first():
+    """Two blocks with the same contents (one computed while the other sat idle in the pool): the
+    key moves to the held one, so the next prompt shares it instead of taking the idle copy; and
+    a freed block with nothing registered in it is handed out before any cached one."""
+    blocks = BlockManager(8, 4, prefix_caching=True)
+    first = _computed(blocks, list(range(8)))
+    blocks.free(first)  # its 2 blocks idle, findable
+    again = _seq(list(range(8)) + [9], 1)  # computed anew, not from the cache
+    blocks.grow(again, 9)
+    again.num_cached_tokens = 9
+    blocks.register(again, again.token_ids, 9)
+    assert [b for b, _ in blocks.cached_prefix(list(range(9)), 8)] == again.block_table[:2]
+    table = list(again.block_table)
+    blocks.free(again)  # its third block holds nothing findable
+    assert blocks.allocate(1) == [table[2]]
+    assert [b for b, _ in blocks.cached_prefix(list(range(9)), 8)] == table[:2]
+
+
 def test_freed_blocks_stay_findable_until_handed_out_last_blocks_first():
     blocks = BlockManager(8, 4, prefix_caching=True)
     seq = _computed(blocks, list(range(16)))  # blocks for 4 x 4 tokens
@@ -92,8 +110,9 @@ def test_freed_blocks_stay_findable_until_handed_out_last_blocks_first():
 def test_shrinking_and_disabling():
     blocks = BlockManager(8, 4, prefix_caching=True)
     seq = _computed(blocks, list(range(12)))
-    blocks.shrink(seq, 5)
-    assert len(seq.block_keys) == 2 and len(seq.block_table) == 2
+    blocks.shrink(seq, 5)  # block 1 is cut into: written again from token 5, so no longer findable
+    assert len(seq.block_keys) == 1 and len(seq.block_table) == 2
+    assert len(blocks.cached_prefix(list(range(12)), 11)) == 1
     off = BlockManager(8, 4)
     _computed(off, list(range(12)))
     assert off.cached_prefix(list(range(12)), 11) == []
@@ -213,3 +232,19 @@ def test_a_prompt_of_whole_blocks_seen_before_still_computes_its_last_token(tiny
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     first, again = (llm.generate([prompt], greedy)[0] for _ in range(2))
     assert again.metrics["num_cached_prompt_tokens"] == 32 and again.token_ids == first.token_ids
+
+
+def test_a_head_whose_cache_is_full_drafts_nothing_instead_of_failing(head_pair):
+    """A prefix taken from the head's cache can cost it blocks that the target's shared copy did
+    not, so its cache can fill first: sequences it has no room for decode plainly that round."""
+    llm = LLM(head_pair["target"], mode="sd", draft=head_pair["draft"], k=3, deterministic=True, block_size=4)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [3, 3, 0, 2]]
+    expected = [o.token_ids for o in LLM(head_pair["target"], deterministic=True).generate(prompts, greedy)]
+    head_blocks = llm.engine.step_strategy.proposer.drafts.blocks
+    taken = head_blocks.allocate(head_blocks.num_free_blocks - 3)  # room for one sequence's rows at most
+    outs = llm.generate(prompts, greedy)
+    assert [o.token_ids for o in outs] == expected and all(o.finish_reason == "length" for o in outs)
+    head_blocks.release_blocks(taken)
+    assert sum(o.metrics["draft_tokens_proposed"] for o in llm.generate(prompts, greedy)) > \
+        sum(o.metrics["draft_tokens_proposed"] for o in outs)

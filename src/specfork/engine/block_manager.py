@@ -6,8 +6,10 @@ instead of computing them again.
 
 A block is shared by every holder that reached it through the cache (a reference count); it is
 never written after it is full, since a holder only writes at its own positions past the tokens
-it has cached. A block nobody holds goes to the free pool, oldest first out; one that was
-registered keeps its contents there, findable, until it is handed out again.
+it has cached. A block nobody holds goes to the free pool, oldest first out (blocks with nothing
+registered in them before any cached one); one that was registered keeps its contents there,
+findable, until it is handed out again. Where two blocks hold the same contents, the key points at
+one that is held rather than at an idle copy, so that later prompts share it.
 
 Holders are sequences (the target's cache) or a drafter's per-sequence states: anything with a
 ``block_table``, ``block_keys`` and ``num_cached_tokens``.
@@ -69,8 +71,14 @@ class BlockManager:
         keep = self.blocks_for(num_tokens)
         while len(seq.block_table) > keep:
             self._drop(seq.block_table.pop())
-        if self.prefix_caching:
-            del seq.block_keys[keep:]
+        if self.prefix_caching and len(seq.block_keys) > num_tokens // self.block_size:
+            # a block cut into is written again from num_tokens on: no longer what its key says
+            del seq.block_keys[num_tokens // self.block_size :]
+            cut = seq.block_table[-1]
+            assert self._refs[cut] == 1, "a shared block cannot be cut into"
+            key = self._key_of.pop(cut, None)
+            if key is not None:
+                del self._block_of[key]
 
     def allocate(self, count: int) -> list[int]:
         """``count`` blocks owned by the caller (e.g. a draft tree branch); give them back with
@@ -138,7 +146,13 @@ class BlockManager:
             key = block_key(keys[j - 1] if j else b"", tokens[j * size : (j + 1) * size + self.lookahead])
             keys.append(key)
             block = holder.block_table[j]
-            if key not in self._block_of and block not in self._key_of:
+            if block in self._key_of:
+                continue  # taken from the cache: registered already
+            cached = self._block_of.get(key)
+            if cached is not None and self._refs[cached] == 0:
+                del self._key_of[cached]  # an idle copy gives way to a held one, so later prompts share it
+                cached = None
+            if cached is None:
                 self._block_of[key] = block
                 self._key_of[block] = key
 
@@ -154,3 +168,5 @@ class BlockManager:
         self._refs[block] -= 1
         if self._refs[block] == 0:
             self._free[block] = None
+            if block not in self._key_of:  # nothing to find in it: handed out before cached blocks
+                self._free.move_to_end(block, last=False)

@@ -113,9 +113,9 @@ class Scheduler:
             if needed > free:
                 break
             if hits:
-                self.blocks.take_prefix(seq, hits)
                 if self.prefix_user is not None:
                     self.prefix_user.adopt_prefix(seq, cached)
+                self.blocks.take_prefix(seq, hits)
                 if not seq.num_output_tokens:
                     seq.num_prompt_tokens_reused = cached
             self.blocks.grow(seq, cached + chunk)

@@ -51,7 +51,8 @@ class Eagle3Proposer:
         not drafted for MAX_PENDING_FEATURES positions (k auto decoding plainly, prompt lookup
         proposing) catches up now, so that the features it keeps stay bounded."""
         st = self._states.get(seq.seq_id)
-        if st is not None and st.num_features >= MAX_PENDING_FEATURES and st.ready(len(seq.token_ids)):
+        if (st is not None and st.num_features >= MAX_PENDING_FEATURES and st.ready(len(seq.token_ids))
+                and self.drafts.blocks.can_grow(st, len(seq.token_ids) - 1)):
             with torch.inference_mode():
                 self.drafts.catch_up([st], [seq.token_ids])
 

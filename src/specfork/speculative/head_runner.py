@@ -189,10 +189,18 @@ class HeadRunner:
         stays at or above ``min_confidence``, so a chain may be empty (the round is then a plain
         decode step). The decision at a position depends on the tokens before it and the head's
         distribution there, never on the token drawn there, so verification stays exact. A
-        state that is not ``ready`` gets no tokens."""
+        state that is not ``ready``, or for whose rows the head's cache has no room this round,
+        gets no tokens. (Its cache is as large as the target's and held no more before prefix
+        caching; a prefix now taken from it can cost blocks that the target's shared copy did not.)"""
         tokens: list[list[int]] = [[] for _ in states]
         probs: list[list[torch.Tensor]] = [[] for _ in states]
-        active = [i for i, n in enumerate(num_tokens) if n > 0 and states[i].ready(len(contexts[i]))]
+        active, spare = [], self.blocks.num_free_blocks
+        for i, n in enumerate(num_tokens):
+            if n > 0 and states[i].ready(len(contexts[i])):
+                need = max(0, self.blocks.blocks_for(len(contexts[i]) - 2 + n) - len(states[i].block_table))
+                if need <= spare:
+                    spare -= need
+                    active.append(i)
         if active:
             for i in active:
                 self.blocks.grow(states[i], len(contexts[i]) - 2 + num_tokens[i])
