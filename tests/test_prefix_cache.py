@@ -248,3 +248,19 @@ def test_a_head_whose_cache_is_full_drafts_nothing_instead_of_failing(head_pair)
     head_blocks.release_blocks(taken)
     assert sum(o.metrics["draft_tokens_proposed"] for o in llm.generate(prompts, greedy)) > \
         sum(o.metrics["draft_tokens_proposed"] for o in outs)
+
+
+def test_a_head_that_never_drafted_caches_its_rows_when_its_request_ends(head_pair):
+    """A request that ended after one token never had the head draft (nor run the prompt's
+    features); it runs them as the request ends, so a prompt repeating the start finds the head's
+    rows, and with them the target's blocks."""
+    shared = [(3 * i + 1) % 8 for i in range(13)]
+    spec = {"mode": "sd", "draft": head_pair["draft"], "k": 3, "deterministic": True, "block_size": 4}
+    llm = LLM(head_pair["target"], **spec)
+    first = llm.generate([shared + [2, 4]], SamplingParams(temperature=0.0, max_tokens=1))[0]
+    assert first.metrics.get("draft_tokens_proposed", 0) == 0  # no round ran
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    out = llm.generate([shared + [5]], greedy)[0]
+    assert out.metrics["num_cached_prompt_tokens"] == 12
+    expected = LLM(head_pair["target"], prefix_caching=False, **spec).generate([shared + [5]], greedy)[0]
+    assert out.token_ids == expected.token_ids and out.metrics["draft_tokens_accepted"] > 0

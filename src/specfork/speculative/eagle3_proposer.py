@@ -58,8 +58,24 @@ class Eagle3Proposer:
 
     def release(self, seq: Sequence) -> None:
         st = self._states.pop(seq.seq_id, None)
-        if st is not None:
-            self.drafts.release(st)
+        if st is None:
+            return
+        if seq.finish_reason in ("stop", "length"):
+            self._cache_rows(st, seq)
+        self.drafts.release(st)
+
+    def _cache_rows(self, st: HeadState, seq: Sequence) -> None:
+        """With prefix caching, a finished sequence's head first runs the target's features it
+        has not yet run (a round's last accepted tokens; a whole prompt if it never drafted), so
+        that a later prompt repeating its tokens (a conversation's next turn) finds the head's rows
+        for all of them and the target's blocks can be taken as far. About a row of the head per
+        token, 1/15-1/20 of the target's cost; skipped when the cache has no room."""
+        context = seq.token_ids
+        if (not self.drafts.blocks.prefix_caching or not st.num_features or not st.ready(len(context))
+                or not self.drafts.blocks.can_grow(st, len(context) - 1)):
+            return
+        with torch.inference_mode():
+            self.drafts.catch_up([st], [context])
 
     def usable_prefix(self, seq: Sequence, num_tokens: int) -> int:
         """As far as the head's own cache holds its rows for the same tokens."""
