@@ -190,6 +190,22 @@ def test_an_unused_tensor_of_a_configured_layer_is_only_warned_of(tmp_path, capl
     assert "ignored 1 unexpected tensors" in caplog.text
 
 
+def test_nan_weights_are_warned_of_by_name(tmp_path, caplog):
+    """A checkpoint with a NaN weight loads (as in transformers) but generates noise: said once,
+    naming the tensor; a clean one says nothing."""
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**{k: v for k, v in _llama_dict().items() if k != "model_type"})).save_pretrained(tmp_path)
+    LLM(str(tmp_path))
+    assert "NaN or infinite" not in caplog.text
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.layers.1.mlp.down_proj.weight"][3, 5] = float("nan")
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    LLM(str(tmp_path))
+    assert "1 weight tensors hold NaN or infinite values (layers.1.mlp.down_proj" in caplog.text
+
+
 def test_a_missing_tensor_is_named_as_the_file_spells_it(tmp_path):
     """The message named the HF spelling with no path, also for a GGUF file."""
     from safetensors.torch import load_file, save_file

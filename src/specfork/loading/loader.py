@@ -150,6 +150,7 @@ def _load(model: str, *, device: torch.device, dtype: torch.dtype, max_positions
     _check_no_more_layers(leftover, arch, location)
     if leftover:
         logger.warning("ignored %d unexpected tensors, e.g. %s", len(leftover), leftover[:3])
+    _warn_of_non_finite_weights(net, location)
     net.eval()
     quantized_to_huge_pages(net)
     return LoadedModel(net, arch, tokenizer, location)
@@ -170,6 +171,18 @@ def _check_shapes(net: LlamaForCausalLM, arch: ModelArchConfig, location: Checkp
     if mlp.gate_up_proj.out_features != 2 * arch.intermediate_size or mlp.down_proj.in_features != arch.intermediate_size:
         raise ModelLoadError(f"{location.path}: the MLP weights have {mlp.down_proj.in_features} units where the "
                              f"config says intermediate_size {arch.intermediate_size}")
+
+
+def _warn_of_non_finite_weights(net: torch.nn.Module, location: CheckpointLocation) -> None:
+    """A checkpoint with NaN or infinite weights (or quantisation scales) loads, as transformers
+    loads it, but what it generates is noise: said once, naming the tensors."""
+    # one sum per tensor: NaN and infinities carry through it (finite weights do not overflow
+    # float32); a dense layer's ``packed`` copy (the native kernel's layout) repeats its weight
+    bad = [name for name, t in net.named_parameters() if t.is_floating_point() and not name.endswith(".packed")
+           and not bool(torch.isfinite(t.sum(dtype=torch.float32)))]
+    if bad:
+        logger.warning("%s: %d weight tensors hold NaN or infinite values (%s%s); the outputs will be meaningless",
+                       location.path, len(bad), ", ".join(bad[:3]), ", ..." if len(bad) > 3 else "")
 
 
 def _check_no_more_layers(leftover: list[str], arch: ModelArchConfig, location: CheckpointLocation) -> None:
