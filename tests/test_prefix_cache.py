@@ -264,3 +264,21 @@ def test_a_head_that_never_drafted_caches_its_rows_when_its_request_ends(head_pa
     assert out.metrics["num_cached_prompt_tokens"] == 12
     expected = LLM(head_pair["target"], prefix_caching=False, **spec).generate([shared + [5]], greedy)[0]
     assert out.token_ids == expected.token_ids and out.metrics["draft_tokens_accepted"] > 0
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd-head"])
+def test_prompts_admitted_together_share_their_start(tiny_dir, head_pair, mode):
+    """Four requests with the same 38-token start arrive together: the first computes it and the
+    others, admitted a step later, take its blocks (AR); under SD with a head, whose rows do not
+    exist a step later, they compute it themselves. Outputs are those of no cache either way."""
+    target, spec = (tiny_dir, {}) if mode == "ar" else \
+        (head_pair["target"], {"mode": "sd", "draft": head_pair["draft"], "k": 3})
+    start = SHARED if mode == "ar" else [(3 * i + 1) % 8 for i in range(38)]
+    prompts = [start + [t] for t in (3, 4, 5, 6)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    expected = LLM(target, deterministic=True, block_size=4, prefix_caching=False, **spec).generate(prompts, greedy)
+    llm = LLM(target, deterministic=True, block_size=4, **spec)
+    outs = llm.generate(prompts, greedy)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+    cached = [o.metrics["num_cached_prompt_tokens"] for o in outs]
+    assert cached == ([0, 36, 36, 36] if mode == "ar" else [0, 0, 0, 0])

@@ -134,18 +134,25 @@ class BlockManager:
         holder.num_cached_tokens = len(found) * self.block_size
         self.prefix_hit_tokens += holder.num_cached_tokens
 
+    def keys_after(self, tokens: list[int], known: list[bytes], end: int) -> list[bytes]:
+        """The keys of the full blocks within the first ``end`` positions of ``tokens`` that follow
+        the ``known`` leading ones (chained on from them)."""
+        size, parent, keys = self.block_size, known[-1] if known else b"", []
+        for j in range(len(known), min(end, len(tokens) - self.lookahead) // size):
+            parent = block_key(parent, tokens[j * size : (j + 1) * size + self.lookahead])
+            keys.append(parent)
+        return keys
+
     def register(self, holder, tokens: list[int], computed: int) -> None:
         """Make ``holder``'s full blocks within its first ``computed`` positions (of ``tokens``,
         the tokens it holds) findable by later prompts (a block whose key another block already
         has stays unregistered)."""
         if not self.prefix_caching:
             return
-        size, keys = self.block_size, holder.block_keys
-        full = min(computed, len(tokens) - self.lookahead, len(holder.block_table) * size) // size
-        for j in range(len(keys), full):
-            key = block_key(keys[j - 1] if j else b"", tokens[j * size : (j + 1) * size + self.lookahead])
+        keys = holder.block_keys
+        for key in self.keys_after(tokens, keys, min(computed, len(holder.block_table) * self.block_size)):
+            block = holder.block_table[len(keys)]
             keys.append(key)
-            block = holder.block_table[j]
             if block in self._key_of:
                 continue  # taken from the cache: registered already
             cached = self._block_of.get(key)

@@ -94,12 +94,15 @@ class Scheduler:
         seqs: list[Sequence] = []
         counts: list[int] = []
         budget = self.max_num_batched_tokens
+        completing: set[bytes] = set()  # keys of the full blocks this step's prompts compute
         while self.waiting and budget > 0 and len(self.running) + len(seqs) < self.max_num_seqs:
             seq = self.waiting[0]
             # Blocks of its prompt computed before (not for a request wanting every prompt row's
             # log-probabilities), taken only once it is admitted: a sequence left waiting holds
             # none, so two waiting ones cannot starve each other of the blocks they both cached.
             hits = self._cached_prefix(seq)
+            if completing and self._next_block_key(seq, hits) in completing:
+                break  # its next block is being computed in this step: it takes it next step
             cached = seq.num_cached_tokens + len(hits) * self.blocks.block_size
             uncached = _prefill_end(seq) - cached
             chunk = min(uncached, budget)
@@ -119,6 +122,8 @@ class Scheduler:
                 if not seq.num_output_tokens:
                     seq.num_prompt_tokens_reused = cached
             self.blocks.grow(seq, cached + chunk)
+            if self.blocks.prefix_caching:
+                completing.update(self.blocks.keys_after(seq.token_ids, seq.block_keys, cached + chunk))
             seqs.append(seq)
             counts.append(chunk)
             budget -= chunk
@@ -144,6 +149,17 @@ class Scheduler:
         if hits and self.prefix_user is not None:
             hits = hits[: self.prefix_user.usable_prefix(seq, len(hits) * self.blocks.block_size) // self.blocks.block_size]
         return hits
+
+    def _next_block_key(self, seq: Sequence, hits: list[tuple[int, bytes]]) -> bytes | None:
+        """The key of the first block past ``hits`` that ``seq`` could take from the cache once
+        computed (None: there is none, or it may take none). Sequences admitted together with the
+        same prompt start (a request's ``n`` choices, a shared system prompt) would each compute
+        it; deferring the later ones a step lets them take it instead."""
+        if seq.block_table or seq.params.prompt_logprobs is not None:
+            return None
+        end = min(_prefill_end(seq) - 1, (len(hits) + 1) * self.blocks.block_size)
+        following = self.blocks.keys_after(seq.token_ids, [key for _, key in hits], end)
+        return following[0] if following else None
 
     def _schedule_decode(self, lookahead: int) -> ScheduledBatch | None:
         scheduled: list[Sequence] = []
