@@ -278,7 +278,18 @@ def test_prompts_admitted_together_share_their_start(tiny_dir, head_pair, mode):
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     expected = LLM(target, deterministic=True, block_size=4, prefix_caching=False, **spec).generate(prompts, greedy)
     llm = LLM(target, deterministic=True, block_size=4, **spec)
+    scheduler, admitted = llm.engine.scheduler, []
+    prefill = scheduler._schedule_prefill
+
+    def counted():
+        batch = prefill()
+        if batch is not None:
+            admitted.append(len(batch.seqs))
+        return batch
+
+    scheduler._schedule_prefill = counted
     outs = llm.generate(prompts, greedy)
     assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
     cached = [o.metrics["num_cached_prompt_tokens"] for o in outs]
     assert cached == ([0, 36, 36, 36] if mode == "ar" else [0, 0, 0, 0])
+    assert admitted == [1, 3]  # the others wait one step, never one by one

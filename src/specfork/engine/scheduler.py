@@ -100,8 +100,8 @@ class Scheduler:
             # Blocks of its prompt computed before (not for a request wanting every prompt row's
             # log-probabilities), taken only once it is admitted: a sequence left waiting holds
             # none, so two waiting ones cannot starve each other of the blocks they both cached.
-            hits = self._cached_prefix(seq)
-            if completing and self._next_block_key(seq, hits) in completing:
+            hits, follows = self._cached_prefix(seq)
+            if completing and follows and self._next_block_key(seq, hits) in completing:
                 break  # its next block is being computed in this step: it takes it next step
             cached = seq.num_cached_tokens + len(hits) * self.blocks.block_size
             uncached = _prefill_end(seq) - cached
@@ -139,16 +139,20 @@ class Scheduler:
             return None
         return ScheduledBatch(seqs, counts, is_prefill=True)
 
-    def _cached_prefix(self, seq: Sequence) -> list[tuple[int, bytes]]:
+    def _cached_prefix(self, seq: Sequence) -> tuple[list[tuple[int, bytes]], bool]:
         """The cached blocks a waiting sequence holding none may start from: not for a request
         wanting every prompt row's log-probabilities, never its last token (which must be
-        computed), and only as far as the step can follow (a drafter's own cached rows)."""
+        computed), and only as far as the step can follow (a drafter's own cached rows); and
+        whether the step followed the cache as far as it reached (else waiting for more of it
+        would gain nothing)."""
         if seq.block_table or seq.params.prompt_logprobs is not None or not self.blocks.prefix_caching:
-            return []
-        hits = self.blocks.cached_prefix(seq.token_ids, _prefill_end(seq) - 1)
-        if hits and self.prefix_user is not None:
-            hits = hits[: self.prefix_user.usable_prefix(seq, len(hits) * self.blocks.block_size) // self.blocks.block_size]
-        return hits
+            return [], False
+        found = self.blocks.cached_prefix(seq.token_ids, _prefill_end(seq) - 1)
+        hits = found
+        if found and self.prefix_user is not None:
+            size = self.blocks.block_size
+            hits = found[: self.prefix_user.usable_prefix(seq, len(found) * size) // size]
+        return hits, len(hits) == len(found)
 
     def _next_block_key(self, seq: Sequence, hits: list[tuple[int, bytes]]) -> bytes | None:
         """The key of the first block past ``hits`` that ``seq`` could take from the cache once
