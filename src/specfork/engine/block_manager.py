@@ -108,14 +108,12 @@ class BlockManager:
         ``limit`` of them; nothing is taken yet (``take_prefix`` does, once the holder is admitted)."""
         if not self.prefix_caching:
             return []
-        size, parent, found = self.block_size, b"", []
-        for start in range(0, min(limit, len(tokens) - self.lookahead) - size + 1, size):
-            key = block_key(parent, tokens[start : start + size + self.lookahead])
+        found = []
+        for key in self._chained_keys(tokens, [], limit):
             block = self._block_of.get(key)
             if block is None:
                 break
             found.append((block, key))
-            parent = key
         return found
 
     def idle_among(self, found: list[tuple[int, bytes]]) -> int:
@@ -137,11 +135,14 @@ class BlockManager:
     def keys_after(self, tokens: list[int], known: list[bytes], end: int) -> list[bytes]:
         """The keys of the full blocks within the first ``end`` positions of ``tokens`` that follow
         the ``known`` leading ones (chained on from them)."""
-        size, parent, keys = self.block_size, known[-1] if known else b"", []
+        return list(self._chained_keys(tokens, known, end))
+
+    def _chained_keys(self, tokens: list[int], known: list[bytes], end: int):
+        """``keys_after``'s keys one at a time (a caller may stop at the first it cannot use)."""
+        size, parent = self.block_size, known[-1] if known else b""
         for j in range(len(known), min(end, len(tokens) - self.lookahead) // size):
             parent = block_key(parent, tokens[j * size : (j + 1) * size + self.lookahead])
-            keys.append(parent)
-        return keys
+            yield parent
 
     def register(self, holder, tokens: list[int], computed: int) -> None:
         """Make ``holder``'s full blocks within its first ``computed`` positions (of ``tokens``,

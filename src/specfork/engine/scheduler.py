@@ -122,7 +122,7 @@ class Scheduler:
                 if not seq.num_output_tokens:
                     seq.num_prompt_tokens_reused = cached
             self.blocks.grow(seq, cached + chunk)
-            if self.blocks.prefix_caching:
+            if self.blocks.prefix_caching and len(self.waiting) > 1 and chunk == uncached:  # others may follow
                 completing.update(self.blocks.keys_after(seq.token_ids, seq.block_keys, cached + chunk))
             seqs.append(seq)
             counts.append(chunk)

@@ -10,7 +10,7 @@ import torch
 
 from specfork.engine.logprobs import logprob_entries
 from specfork.engine.model_runner import ModelRunner
-from specfork.engine.scheduler import ScheduledBatch
+from specfork.engine.scheduler import PrefixUser, ScheduledBatch
 from specfork.engine.sequence import Sequence
 from specfork.outputs import TokenLogprob
 from specfork.sampling import adjust_logits_, sample_tokens
@@ -37,7 +37,10 @@ class StepHealth:
     drafter_restarts: int = 0
 
 
-class Step(Protocol):
+class Step(PrefixUser, Protocol):
+    """A decoding step; as the scheduler's ``PrefixUser`` it says how much of a prompt's cached
+    prefix a sequence may start from (its helpers may need their own state for it)."""
+
     lookahead: int  # extra KV slots a decode step needs per sequence beyond the next token
 
     def execute(self, batch: ScheduledBatch) -> dict[Sequence, NewTokens]:
@@ -50,15 +53,6 @@ class Step(Protocol):
 
     def release(self, seq: Sequence) -> None:
         """``seq`` finished or was preempted: free any state the step holds for it."""
-        ...
-
-    def usable_prefix(self, seq: Sequence, num_tokens: int) -> int:
-        """How many of the first ``num_tokens`` tokens of ``seq``'s prompt, whose KV the prefix
-        cache holds, the step can start from (its helpers may need their own state for them)."""
-        ...
-
-    def adopt_prefix(self, seq: Sequence, num_tokens: int) -> None:
-        """``seq`` starts from its first ``num_tokens`` tokens cached (at most ``usable_prefix``)."""
         ...
 
     def health(self) -> StepHealth:
