@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import random
 import re
+from collections import Counter
 
 import pytest
 from lossless import PROMPT
@@ -353,3 +355,48 @@ def test_k_auto_measures_within_a_short_models_positions(draft_pair, max_model_l
     assert sd.engine.max_model_len == (max_model_len or 64)
     assert sd.generate([PROMPT], params)[0].token_ids == LLM(draft_pair["target"], deterministic=True).generate(
         [PROMPT], params)[0].token_ids
+
+
+H200 = StepCosts(draft_s=0.00029, verify_s=(0.0027, 0.0037, 0.0045, 0.0041, 0.0042, 0.0044, 0.0045, 0.0045, 0.0045))
+
+
+def test_a_one_off_stall_prices_no_k_and_a_lasting_slowdown_is_believed_from_its_second_round():
+    auto = AutoK(H200)
+
+    def round_of(k: int, slowdown: float) -> None:
+        auto.ks_for_round()
+        auto.end_round([k], modelled_round_s(H200, k) * slowdown)
+
+    round_of(3, 12.0)  # a CUDA graph captured in this round
+    assert auto.overhead(3) == 1.0
+    round_of(3, 1.1)
+    assert auto.overhead(3) == pytest.approx(1.1)
+    round_of(3, 4.4)  # the machine got 4x slower and stays so
+    assert auto.overhead(3) == pytest.approx(1.1)
+    round_of(3, 4.4)
+    assert auto.overhead(3) == pytest.approx(0.7**2 * 1.1 + (1 - 0.7**2) * 4.4)  # two rounds since the last
+    round_of(4, 4.4)  # k = 4 has no rounds of its own: within 3x of k = 3's overhead, believed at once
+    assert auto.overhead(4) == pytest.approx(4.4)
+    round_of(0, 12.0)  # a plain round's stall
+    assert auto.overhead(0) == 1.0
+
+
+def test_graph_captures_on_first_use_do_not_drive_k_auto_off_the_best_k():
+    """Step costs as measured on an H200, rounds 1.05x the model's, acceptance 0.6 per token
+    (k = 3 pays best). As on a GPU, the first round of each window length pays ~50 ms for its
+    CUDA graph, and again at every new key bucket (here every 300 rounds). Weighted like the
+    others, those rounds priced the k they hit at up to 12x, and k auto spent most rounds at
+    k = 0, 1 or 2 (it ended this run at k = 1); it must settle on k = 3."""
+    assert plan(H200, 0.6)[0].k == 3
+    rng = random.Random(0)
+    auto, captured, ks = AutoK(H200), set(), []
+    for i in range(2000):
+        if i % 300 == 0:
+            captured.clear()
+        k = auto.ks_for_round()[0]
+        if k:
+            auto.observe(k, sum(1 for _ in itertools.takewhile(lambda _: rng.random() < 0.6, range(k))))
+        auto.end_round([k], modelled_round_s(H200, k) * 1.05 + (0.05 if k not in captured else 0.0))
+        captured.add(k)
+        ks.append(k)
+    assert auto.current.k == 3 and ks.count(3) > 0.8 * len(ks), Counter(ks)

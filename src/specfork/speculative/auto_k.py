@@ -23,10 +23,12 @@ round's wall time is compared with its modelled time, and the ratio (per batch s
 average that forgets with the rounds gone by, not with the samples taken, so that a probe's
 measurement replaces one taken PROBE_EVERY rounds earlier while the machine may have been busier;
 an unmeasured pair borrows from the nearest measured pair of its kind, plain or speculating)
-scales the model's round times. a counts every draft position a round asked for: a proposer may
-propose fewer than k, or none (the EAGLE-3 head's confidence floor ends a chain where the head is
-unsure; prompt lookup finds no match; the lookup corpus proposes at most --corpus-tokens), and a
-position left empty yields no token, as a rejected one. Counted over the positions proposed only,
+scales the model's round times. A round over STALL_RATIO times its expected time is set aside
+unless the pair's next round agrees: a one-off cost, such as the CUDA graph a GPU captures in the
+first round of each new window and key bucket, prices no k. a counts every draft position a
+round asked for: a proposer may propose fewer than k, or none (the EAGLE-3 head's confidence
+floor ends a chain where the head is unsure; prompt lookup finds no match; the lookup corpus
+proposes at most --corpus-tokens), and a position left empty yields no token, as a rejected one. Counted over the positions proposed only,
 E(k) overstated what rounds yielded (with penalties 1.85 tokens expected where rounds yielded
 1.37-1.44), and k auto speculated where plain decoding was faster (docs/decisions.md). A k = 0
 probe round now and then, while speculating, keeps plain decoding's real rate known: ``k auto``
@@ -65,6 +67,7 @@ PROBE_EVERY = 32  # rounds between probes of another k (k = 1 at k = 0, k = 0 ot
 FIRST_PROBE = 4  # the round of the first probe, so that plain decoding's real cost is known early
 DECAY = 0.98  # per round: acceptance counts forget with a horizon of about 50 rounds
 OVERHEAD_WEIGHT = 0.3  # per round since the last: weight of a new round in measured / modelled time
+STALL_RATIO = 3.0  # a round over this many times its expected time is a stall until the next one agrees
 
 
 MEASURE_CONTEXT = 64  # cached tokens before a measured forward
@@ -217,6 +220,7 @@ class AutoK:
         self._since_plan = 0
         self._overhead: dict[tuple[int, int], float] = {}  # (batch, k) -> moving average of measured / modelled
         self._measured_at: dict[tuple[int, int], int] = {}  # (batch, k) -> the round of its last update
+        self._stalled: set[tuple[int, int]] = set()  # pairs whose last round was set aside as a stall
         self.rounds_by_k: Counter[str] = Counter()  # "k=N" (every sequence at k = N) or "probe" (mixed)
         plans = plan(costs, self.alpha, k_max)
         self.current = plans[0]
@@ -285,7 +289,7 @@ class AutoK:
         time (a round mixing several k, a probe in a batch, is priced by no single k)."""
         k, batch = max(ks), len(ks)
         self.rounds_by_k[f"k={k}" if min(ks) == k else "probe"] += 1
-        if min(ks) == k:
+        if min(ks) == k and not self._stall(k, batch, seconds):
             # An old measurement counts less the older it is (the shared machine's pace moves): one
             # round ago it keeps 1 - OVERHEAD_WEIGHT, a probe's last, PROBE_EVERY rounds ago, ~0.
             ratio = seconds / max(modelled_round_s(self.costs, k, batch), 1e-9)
@@ -298,6 +302,22 @@ class AutoK:
         self._since_plan += 1
         if self._since_plan >= REPLAN_EVERY:
             self._replan(self.current.batch)
+
+    def _stall(self, k: int, batch: int, seconds: float) -> bool:
+        """Whether this round of k at ``batch`` is set aside: it took over STALL_RATIO times what
+        the pair's rounds are expected to take (the model's time scaled by the pair's measured, or
+        borrowed, overhead), and the pair's previous round was not set aside too. A one-off cost
+        then prices no k: on a GPU the first round of a new window length or key bucket captures
+        a CUDA graph, ~50 ms against a 4-5 ms round (an H200, docs/benchmarks.md), and such
+        rounds, weighted like any other, priced k = 3 at 12x its time, so that k auto decoded
+        plainly or at k = 1 where k = 3 was 1.14x faster. A slowdown that lasts is believed from
+        its second round."""
+        expected = modelled_round_s(self.costs, k, batch) * self.overhead(k, batch)
+        if seconds <= STALL_RATIO * expected or (batch, k) in self._stalled:
+            self._stalled.discard((batch, k))
+            return False
+        self._stalled.add((batch, k))
+        return True
 
     def _replan(self, batch: int) -> None:
         self._since_plan = 0
