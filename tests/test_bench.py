@@ -251,6 +251,21 @@ def test_sweep_grid_and_errors():
             run_benchmark(BenchSettings(modes=("ar",)), parse_sweep(sweep), progress=False)
 
 
+def test_the_warm_up_runs_every_group_to_its_end_on_cuda_and_one_short_group_on_the_cpu():
+    """On CUDA the timed runs must meet no window or key bucket whose CUDA graph the warm-up did
+    not capture, so it runs what a timed run runs; on the CPU a short run of the first group."""
+    from specfork import SamplingParams
+    from specfork.bench.runner import warm_up_groups
+
+    prompts = [[1, 2], [3], [4, 5, 6], [7], [8]]
+    params = SamplingParams(max_tokens=256, ignore_eos=True)
+    cuda = warm_up_groups(prompts, params, BenchSettings(device="cuda", batch_size=2))
+    assert [group for group, _ in cuda] == [prompts[0:2], prompts[2:4], prompts[4:]]
+    assert all(p.max_tokens == 256 for _, p in cuda)
+    [(group, short)] = warm_up_groups(prompts, params, BenchSettings(batch_size=2))
+    assert group == prompts[:2] and short.max_tokens == 16 and short.ignore_eos
+
+
 def test_bench_runs_specfork_on_the_chosen_device():
     from specfork.bench.runner import _cell_settings, _engine_options
 

@@ -129,7 +129,8 @@ def run_interleaved(modes: list[str], dataset: str, prompts: list[list[int]], s:
         llms = {mode: stack.enter_context(LLM(s.model, **_engine_options(mode, s))) for mode in modes}
         for llm in llms.values():
             for _ in range(s.warmup):
-                llm.generate(prompts[: s.batch_size], replace(params, max_tokens=min(16, s.output_len)))
+                for group, group_params in warm_up_groups(prompts, params, s):
+                    llm.generate(group, group_params)
             if llm.engine.parallel is not None:
                 llm.engine.parallel.collectives.reset()
             if (auto_k := _auto_k(llm)) is not None:
@@ -143,6 +144,18 @@ def run_interleaved(modes: list[str], dataset: str, prompts: list[list[int]], s:
         timings = time_interleaved(generators, prompts, s, count=_token_count, progress=progress)
         return ([_result(mode, dataset, s, llms[mode], *timings[mode][:2]) for mode in modes],
                 [peer_result(run, dataset, s, *timings[run.name]) for run in peers])
+
+
+def warm_up_groups(prompts: list[list[int]], params, s: BenchSettings) -> list[tuple[list[list[int]], object]]:
+    """The (prompts, params) of one untimed warm-up run of a specfork engine. On the CPU: the first
+    group for 16 tokens (what loads lazily is loaded). On CUDA: every group to its full length, as
+    a timed run goes, so that the CUDA graphs of the windows and key buckets the timed runs meet
+    are captured before them: each capture takes ~45 ms (about 14 decode steps of the embedded model
+    on an H200), and after a 16-token warm-up those of a 4-prompt run fell in the timed run, 8-14
+    rounds and 12-22% of SD's time (docs/benchmarks.md)."""
+    if s.device.startswith("cuda"):
+        return [(prompts[i : i + s.batch_size], params) for i in range(0, len(prompts), s.batch_size)]
+    return [(prompts[: s.batch_size], replace(params, max_tokens=min(16, s.output_len)))]
 
 
 def _generate(llm, params, group: list[list[int]]) -> list:

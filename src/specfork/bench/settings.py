@@ -86,7 +86,7 @@ class BenchSettings:
     threads: int | None = option(None, "torch threads for AR/SD and peers (default: torch's)")
     repeat: int = option(1, "timed runs; the median is reported (a point's modes and peers, SSD aside, are "
                          "timed interleaved, prompt group by prompt group)")
-    warmup: int = option(1, "untimed warm-up runs")
+    warmup: int = option(1, "untimed warm-up runs (16 tokens of the first batch on the CPU; on CUDA whole runs, which capture the CUDA graphs the timed runs use)")
     peers: tuple[str, ...] = option((), f"comma list of {', '.join(PEERS)}", parse=comma_list)
     seed: int = option(0, "the random dataset's seed and every request's sampling seed")
     target_cores: str | None = option(None, "SSD: the target's CPU cores (default: half of them)")
