@@ -19,6 +19,7 @@ import pytest
 from servers import running_server, running_servers
 
 from specfork import LLM, SamplingParams
+from specfork.sampling_params import StructuredOutputs
 
 pytestmark = pytest.mark.dist
 openai = pytest.importorskip("openai")
@@ -220,8 +221,19 @@ BAD_REQUESTS = [
      "'length_penalty' is not supported"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "use_beam_search": 0}),
      "'use_beam_search' is not supported"),  # 0 is not False
-    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "guided_choice": ["a", "b"]}),
-     "'guided_choice' is not supported"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "guided_grammar": "root ::= 'a'"}),
+     "'guided_grammar' is not supported"),
+    # structured outputs: one field at a time, each complete, each compiling
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "response_format": {"type": "json_object"},
+                                    "guided_regex": "a+"}), "give one of response_format, guided_regex"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "response_format": {"type": "json_schema"}}),
+     "json_schema is given with type 'json_schema', and only then"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "guided_json": {"type": "frob"}}),
+     "the structured output does not compile"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "guided_choice": []}),
+     "choice must be a non-empty list"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "guided_regex": "a+", "ignore_eos": True}),
+     "ignore_eos cannot be combined with structured outputs"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "max_completion_tokens": 3}),
      "'max_completion_tokens' is not a parameter of this endpoint (it spells this 'max_tokens')"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "temprature": 0}),
@@ -303,9 +315,12 @@ def test_bad_input_is_a_400_naming_the_problem(server, path, body, message):
     ("/v1/completions", {"prompt": "hi", "allowed_token_ids": [1, 60000]}, "allowed_token_ids"),
     ("/v1/completions", {"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids"),
     ("/v1/completions", {"prompt": "hi", "bad_words": [""]}, "bad_words"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "guided_regex": "(ab"}, "guided_regex"),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "frob"}}}}, "response_format"),
 ], ids=["completions-max_tokens", "chat-max_tokens", "chat-max_completion_tokens", "prompt", "top_p",
         "stream_options", "top_logprobs", "out-of-range", "unsupported", "unknown", "bias-past-vocab", "bias-key",
-        "allowed-past-vocab", "allowed-empty", "bad-word-empty"])
+        "allowed-past-vocab", "allowed-empty", "bad-word-empty", "bad-regex", "bad-schema"])
 def test_a_refused_request_names_its_parameter_as_the_request_did(server, path, body, param):
     """The engine's own rules (prompt plus max_tokens within the context) are checked when it
     admits the request; the error body's param names the field the request used."""
@@ -828,3 +843,31 @@ def test_an_empty_api_key_is_refused_not_taken_as_none(capsys, monkeypatch):
     assert main(["serve", "--mode", "ssd", "--k", "auto"]) == 2  # the engine's options, before "loading"
     err = capsys.readouterr().err
     assert "k 'auto' is for SD" in err and "loading" not in err
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_structured_outputs_through_the_openai_client(server, offline):
+    """response_format (json_schema, json_object) and vLLM's guided_choice and guided_regex: the
+    output follows them, as offline generation with the same structured output gives it."""
+    client = server.client()
+    ask = [{"role": "user", "content": "Describe a person as JSON with a name and an age."}]
+    reply = client.chat.completions.create(
+        model=MODEL, messages=ask, max_tokens=64, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}})
+    want = offline.chat([ask], SamplingParams(temperature=0, max_tokens=64,
+                                              structured_outputs=StructuredOutputs(json=SCHEMA)))[0]
+    assert reply.choices[0].message.content == want.text and reply.choices[0].finish_reason == "stop"
+    assert set(json.loads(want.text)) == {"name", "age"}
+    chunks = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=64, temperature=0, stream=True,
+                                            response_format={"type": "json_object"})
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert isinstance(json.loads(streamed), dict)
+    picked = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0,
+                                       extra_body={"guided_choice": ["Paris", "Lyon", "Marseille"]})
+    assert picked.choices[0].text in ("Paris", "Lyon", "Marseille") and picked.choices[0].finish_reason == "stop"
+    dated = client.completions.create(model=MODEL, prompt="Today's date, as YYYY-MM-DD:", max_tokens=16,
+                                      temperature=0, extra_body={"guided_regex": "[0-9]{4}-[0-9]{2}-[0-9]{2}"})
+    assert re.fullmatch("[0-9]{4}-[0-9]{2}-[0-9]{2}", dated.choices[0].text), dated.choices[0].text

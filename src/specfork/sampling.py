@@ -22,11 +22,15 @@ import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from specfork.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from specfork.structured_output import OutputGrammar
 
 Reshape = Callable[[torch.Tensor], torch.Tensor]  # [N, V] probabilities -> [N, V] probabilities
 
@@ -45,6 +49,7 @@ class TokenHistory:
     stop_ids: frozenset[int]
     drafts: Sequence[int] = ()
     bad_words: Sequence[Sequence[int]] = ()  # token sequences never to complete
+    grammar: OutputGrammar | None = None  # the output's matcher (structured outputs)
 
     @property
     def rows(self) -> int:
@@ -56,12 +61,13 @@ class TokenHistory:
         back (a request past it, or with nothing to hold back, costs nothing)."""
         params = self.params
         holds_back = params.min_tokens > len(self.token_ids) - self.num_prompt_tokens and bool(self.stop_ids)
-        return holds_back or params.adjusts_logits or bool(self.bad_words)
+        return holds_back or params.adjusts_logits or bool(self.bad_words) or self.grammar is not None
 
 
 def adjust_logits_(logits: torch.Tensor, histories: Sequence[TokenHistory]) -> dict[int, torch.Tensor]:
     """Each request's adjustments applied to its rows of ``logits`` [N, V], in place, in vLLM's
-    order: ``allowed_token_ids`` (every other token at -inf), bad words (the last token of each
+    order: the structured output's grammar (every token that cannot continue the output at -inf),
+    ``allowed_token_ids`` (every other token at -inf), bad words (the last token of each
     at -inf where the tokens before it end the row's output), ``min_tokens`` (its held-back
     tokens at -inf while the output is shorter), ``logit_bias`` added, ``repetition_penalty`` (the
     logits of tokens in the prompt or output divided by it where positive, multiplied where not),
@@ -101,6 +107,8 @@ def _adjust_window(rows: torch.Tensor, history: TokenHistory) -> None:
     a = rows.numpy() if on_cpu else rows.float().cpu().numpy()
     num_output = len(history.token_ids) - history.num_prompt_tokens
     drafts = list(history.drafts[: n - 1])
+    if history.grammar is not None:
+        history.grammar.mask_(a, history.token_ids[history.num_prompt_tokens :], drafts)
     if params.allowed_token_ids:
         _keep_only(a, np.unique(np.fromiter(params.allowed_token_ids, dtype=np.int64)))
     if history.bad_words:  # matched against the output only, as vLLM does (never the prompt)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from dataclasses import dataclass
@@ -14,6 +15,47 @@ SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
 MAX_LOGPROBS = 20  # most alternatives reported per position (as OpenAI's top_logprobs)
 MAX_BAD_WORDS = 128  # as vLLM's GPU sampler
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputs:
+    """What a request's output must be, as vLLM's structured outputs say it (exactly one of):
+    text matching the JSON schema ``json`` (a dict, or its JSON text), any JSON object
+    (``json_object``), text matching the regular expression ``regex``, or one of the strings of
+    ``choice``. The engine holds the output to it by masking, in every row it samples or verifies,
+    the tokens that could not continue it (``specfork.structured_output``)."""
+
+    json: str | dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        param = "structured_outputs"
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as e:
+                    raise SpecforkError(f"the JSON schema is not JSON: {e}", param=param) from None
+            if not isinstance(schema, dict):
+                raise SpecforkError(f"a JSON schema must be a JSON object, got {type(schema).__name__}", param=param)
+            object.__setattr__(self, "json", json.dumps(schema, sort_keys=True))  # canonical, hashable
+        if not isinstance(self.json_object, bool):
+            raise SpecforkError(f"json_object must be True or False, got {self.json_object!r}", param=param)
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise SpecforkError(f"regex must be a non-empty string, got {self.regex!r}", param=param)
+        if self.choice is not None:
+            choice = tuple(self.choice) if isinstance(self.choice, (list, tuple)) else None
+            if not choice or any(not isinstance(c, str) or not c for c in choice):
+                raise SpecforkError(f"choice must be a non-empty list of non-empty strings, got {self.choice!r}",
+                                    param=param)
+            object.__setattr__(self, "choice", choice)
+        given = [name for name in ("json", "json_object", "regex", "choice") if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise SpecforkError(f"structured outputs take exactly one of json, json_object, regex and choice; got "
+                                f"{', '.join(given) or 'none'}", param=param)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +104,7 @@ class SamplingParams:
     skip_special_tokens: bool = option(True, cli=False)  # special tokens (EOS, chat markup) left out of the text
     logprobs: int | None = option(None, cli=False)
     prompt_logprobs: int | None = option(None, cli=False)
+    structured_outputs: StructuredOutputs | None = option(None, cli=False)  # the output's grammar (None: free)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _strings(self.stop, "stop", blank_ok=True))
@@ -124,6 +167,22 @@ class SamplingParams:
                     raise SpecforkError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}",
                                         param=name)
                 object.__setattr__(self, name, count)
+        if self.structured_outputs is not None:
+            self._check_structured_outputs()
+
+    def _check_structured_outputs(self) -> None:
+        """A grammar's mask leaves the tokens that continue the output; the settings that hold
+        tokens back too could leave none (EOS alone once the output is complete), and ignore_eos
+        would generate past its end: refused together."""
+        if not isinstance(self.structured_outputs, StructuredOutputs):
+            raise SpecforkError(f"structured_outputs must be a StructuredOutputs, got "
+                                f"{type(self.structured_outputs).__name__}", param="structured_outputs")
+        clashes = {"ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens > 0,
+                   "allowed_token_ids": self.allowed_token_ids is not None, "bad_words": bool(self.bad_words)}
+        for name, clashes_here in clashes.items():
+            if clashes_here:
+                raise SpecforkError(f"{name} cannot be combined with structured outputs: the grammar decides which "
+                                    "tokens may come and when the output ends", param=name)
 
     @property
     def greedy(self) -> bool:

@@ -22,6 +22,7 @@ from specfork.loading import LoadedModel, load_model
 from specfork.native_kernels import instruction_set
 from specfork.outputs import RequestOutput, TokenLogprob
 from specfork.sampling_params import SamplingParams
+from specfork.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +128,7 @@ class LLMEngine:
             prefix_user=self.step_strategy,
         )
         self.eos_token_ids = frozenset(arch.eos_token_ids)
+        self.grammars = GrammarCompiler(self.loaded.tokenizer, arch.vocab_size, self.eos_token_ids)
         self._ids = count()
         logger.info(
             "loaded %s (%s, %d layers) on %s%s%s; KV cache %d blocks x %d tokens; max_model_len %d",
@@ -242,7 +244,8 @@ class LLMEngine:
         gen = torch.Generator(device=self.device)
         # Any engine seed works: the derived seed is taken modulo 2**64 (small seeds are unchanged).
         gen.manual_seed(params.seed if params.seed is not None else (self.config.seed * 1_000_003 + seq_id) & 0xFFFF_FFFF_FFFF_FFFF)
-        seq = Sequence(seq_id, prompt_ids, params, gen, stops, bad_words)
+        grammar = self.grammars.grammar(params.structured_outputs) if params.structured_outputs is not None else None
+        seq = Sequence(seq_id, prompt_ids, params, gen, stops, bad_words, grammar)
         self.scheduler.add(seq)
         return seq
 

@@ -27,7 +27,7 @@ class Sequence:
 
     def __init__(
         self, seq_id: int, prompt_token_ids: list[int], params: SamplingParams, generator: torch.Generator,
-        stop_ids: frozenset[int] = frozenset(), bad_words: tuple[tuple[int, ...], ...] = (),
+        stop_ids: frozenset[int] = frozenset(), bad_words: tuple[tuple[int, ...], ...] = (), grammar=None,
     ) -> None:
         self.seq_id = seq_id
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -35,6 +35,7 @@ class Sequence:
         self.params = params
         self.stop_ids = stop_ids  # the tokens that end the output: EOS unless ignored, and the stop token ids
         self.bad_words = bad_words  # token sequences never to complete (the request's bad words)
+        self.grammar = grammar  # the output's matcher (structured outputs), or None
         self.generator = generator
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
@@ -70,7 +71,8 @@ class Sequence:
     def history(self, drafts: list[int] | tuple[int, ...] = ()) -> TokenHistory:
         """What the request's logit adjustments read for its next token (and, with ``drafts``, for
         the tokens after each of them: a verify window)."""
-        return TokenHistory(self.params, self.token_ids, self.num_prompt_tokens, self.stop_ids, drafts, self.bad_words)
+        return TokenHistory(self.params, self.token_ids, self.num_prompt_tokens, self.stop_ids, drafts, self.bad_words,
+                            self.grammar)
 
     @property
     def num_uncached_tokens(self) -> int:

@@ -165,7 +165,7 @@ def _sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens
             seed=body.seed, stop=body.stops, stop_token_ids=tuple(body.stop_token_ids or ()),
             include_stop_str_in_output=body.include_stop_str_in_output, skip_special_tokens=body.skip_special_tokens,
             ignore_eos=body.ignore_eos, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=prompt_logprobs, structured_outputs=body.structured_output(),
         )
     except SpecforkError as e:
         raise ApiError(400, str(e), param=body.field_of(e.param)) from None

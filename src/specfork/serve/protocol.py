@@ -16,7 +16,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticUndefined
 
-from specfork.sampling_params import MAX_LOGPROBS
+from specfork.errors import SpecforkError
+from specfork.sampling_params import MAX_LOGPROBS, StructuredOutputs
 
 MAX_CHOICES = 128  # n, as the OpenAI API
 
@@ -84,17 +85,14 @@ _NEUTRAL: dict[str, tuple] = {
     "functions": ([],),
     "tool_choice": ("none", "auto"),  # with no tools, "auto" calls none
     "function_call": ("none", "auto"),
-    "response_format": ({"type": "text"},),
     "modalities": (["text"],),
     "verbosity": ("medium",),
     "return_tokens_as_token_ids": (False,),
     "detokenize": (True,),
     "echo": (False,),  # chat's (vLLM); completions' is declared
     # no neutral value but null
-    "truncate_prompt_tokens": (), "prompt_logprobs": (), "guided_json": (),
-    "guided_regex": (), "guided_choice": (), "guided_grammar": (), "guided_decoding_backend": (),
-    "structured_outputs": (), "chat_template": (), "audio": (), "prediction": (), "reasoning_effort": (),
-    "documents": (),
+    "truncate_prompt_tokens": (), "prompt_logprobs": (), "guided_grammar": (), "guided_decoding_backend": (),
+    "chat_template": (), "audio": (), "prediction": (), "reasoning_effort": (), "documents": (),
 }
 # Fields that change nothing the model computes (the caller's bookkeeping): accepted and ignored.
 _BOOKKEEPING = frozenset({"metadata", "store", "service_tier", "parallel_tool_calls", "request_id", "priority",
@@ -104,6 +102,35 @@ _BOOKKEEPING = frozenset({"metadata", "store", "service_tier", "parallel_tool_ca
 def _is_neutral(value: object, neutral: tuple) -> bool:
     """``value`` equals one of the neutral values, a bool only a bool (``False == 0`` in Python)."""
     return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral)
+
+
+class JsonSchemaFormat(NullMeansDefault):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # the output always follows the schema here
+
+
+class ResponseFormat(NullMeansDefault):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type 'json_schema', and only then")
+        return self
+
+
+class StructuredOutputsField(NullMeansDefault):
+    """vLLM's ``structured_outputs`` object (the grammar kinds this server has)."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    json_schema: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
 
 
 class GenerationRequest(NullMeansDefault):
@@ -136,6 +163,16 @@ class GenerationRequest(NullMeansDefault):
     ignore_eos: bool = Field(False, description="keep generating after EOS (extension, as in vLLM)")
     user: str | None = None
     return_token_ids: bool = Field(False, description="add the generated token ids to each choice (extension)")
+    response_format: ResponseFormat | None = Field(None, description="{'type': 'json_object'} or {'type': "
+                                                   "'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}")
+    guided_json: dict[str, Any] | str | None = Field(None, description="a JSON schema the output follows (extension, "
+                                                     "as in vLLM)")
+    guided_regex: str | None = Field(None, description="a regular expression the output matches (extension, as in "
+                                     "vLLM)")
+    guided_choice: list[str] | None = Field(None, description="the output is one of these strings (extension, as "
+                                            "in vLLM)")
+    structured_outputs: StructuredOutputsField | None = Field(None, description="{'json' | 'json_object' | 'regex' | "
+                                                              "'choice': ...} (extension, as in vLLM)")
 
     OTHER_SPELLINGS: ClassVar[dict[str, str]] = {}  # another endpoint's field -> this one's
     NEUTRAL_HERE: ClassVar[dict[str, tuple]] = {}  # neutral values this endpoint's defaults make
@@ -180,8 +217,46 @@ class GenerationRequest(NullMeansDefault):
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
+    def _structured_fields(self) -> list[str]:
+        """The request's fields that ask for a structured output (response_format of type text asks none)."""
+        asked = [name for name in ("guided_json", "guided_regex", "guided_choice", "structured_outputs")
+                 if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            asked.insert(0, "response_format")
+        return asked
+
+    def structured_output(self) -> StructuredOutputs | None:
+        """What the output must be, from whichever one field asks for it; a 400 for two, or for one
+        that does not say what it wants."""
+        asked = self._structured_fields()
+        if not asked:
+            return None
+        if len(asked) > 1:
+            raise ApiError(400, f"give one of {', '.join(asked)}: each says what the output must be", param=asked[1])
+        try:
+            if asked[0] == "response_format":
+                fmt = self.response_format
+                if fmt.type == "json_object":
+                    return StructuredOutputs(json_object=True)
+                if fmt.json_schema.json_schema is None:
+                    raise ApiError(400, "json_schema.schema is required", param="response_format")
+                return StructuredOutputs(json=fmt.json_schema.json_schema)
+            if asked[0] == "guided_json":
+                return StructuredOutputs(json=self.guided_json)
+            if asked[0] == "guided_regex":
+                return StructuredOutputs(regex=self.guided_regex)
+            if asked[0] == "guided_choice":
+                return StructuredOutputs(choice=tuple(self.guided_choice))
+            so = self.structured_outputs
+            return StructuredOutputs(json=so.json_schema, json_object=bool(so.json_object), regex=so.regex,
+                                     choice=None if so.choice is None else tuple(so.choice))
+        except SpecforkError as e:
+            raise ApiError(400, str(e), param=asked[0]) from None
+
     def field_of(self, param: str | None) -> str | None:
         """This request's field behind a sampling parameter the engine refused (its error's ``param``)."""
+        if param == "structured_outputs":
+            return next(iter(self._structured_fields()), param)
         return "logprobs" if param == "prompt_logprobs" else param
 
 
@@ -320,7 +395,7 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateOptions):
     def field_of(self, param: str | None) -> str | None:
         if param == "max_tokens" and self.max_completion_tokens is not None:
             return "max_completion_tokens"
-        return "top_logprobs" if param == "logprobs" else param
+        return "top_logprobs" if param == "logprobs" else super().field_of(param)
 
 
 class TokenizeRequest(ChatTemplateOptions):

@@ -1,0 +1,130 @@
+"""Structured outputs: a request's output held to a JSON schema, any JSON object, a regular
+expression or a list of choices (``SamplingParams.structured_outputs``, vLLM's guided decoding).
+
+The grammar is compiled by llguidance (the Rust matcher vLLM also uses) against the model's
+tokenizer. Each request keeps one matcher, advanced through its output tokens as they are
+committed. For a row of logits the matcher says which tokens may come next, and every other token
+is set to -inf, first among the logit adjustments (``specfork.sampling.adjust_logits_``). A verify
+window's row j follows the drafts before it: the matcher takes them one at a time, gives each row
+its mask, and is rolled back after the window. A draft the grammar refuses is itself masked in its
+row, so verification rejects it, and the rows after it are never reached (they repeat its row's
+mask). AR, SD and SSD therefore sample and verify from the same masked logits: greedy outputs stay
+equal, and sampled ones keep the masked target distribution. Drafters draw without the mask (a
+draft the grammar refuses is only a rejected draft). Once the output is complete the matcher
+allows EOS alone."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+
+from specfork.errors import SpecforkError
+from specfork.sampling_params import StructuredOutputs
+
+logger = logging.getLogger(__name__)
+
+PARAM = "structured_outputs"
+
+
+class GrammarCompiler:
+    """Builds each request's matcher; the tokenizer's table for llguidance is made on first use
+    (~0.4 s for a 49k vocabulary), so engines that never see a grammar pay nothing."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._eos = sorted(eos_token_ids)
+        self._ll_tokenizer = None
+
+    def grammar(self, spec: StructuredOutputs) -> OutputGrammar:
+        """A fresh matcher for ``spec``; a SpecforkError naming ``structured_outputs`` when the model
+        has no tokenizer or the grammar does not compile (an unknown schema keyword, a bad regex)."""
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self._llguidance_tokenizer(), _grammar_text(spec))
+        if matcher.is_error():
+            raise SpecforkError(f"the structured output does not compile: {matcher.get_error()}", param=PARAM)
+        return OutputGrammar(matcher, self._vocab_size)
+
+    def _llguidance_tokenizer(self):
+        if self._ll_tokenizer is None:
+            if self._tokenizer is None:
+                raise SpecforkError("structured outputs need the model's tokenizer, and this model has none",
+                                    param=PARAM)
+            if not self._eos:
+                raise SpecforkError("structured outputs need an end-of-sequence token, and this model names none",
+                                    param=PARAM)
+            import llguidance.hf
+
+            self._ll_tokenizer = llguidance.hf.from_tokenizer(self._tokenizer.hf, n_vocab=self._vocab_size,
+                                                              eos_token=self._eos)
+        return self._ll_tokenizer
+
+
+def _grammar_text(spec: StructuredOutputs) -> str:
+    """llguidance's grammar for ``spec``: a JSON schema (``json_object``: any object), a regular
+    expression, or the alternation of the choices, each matched literally."""
+    import re
+
+    from llguidance import LLMatcher
+
+    try:
+        if spec.json is not None:
+            return LLMatcher.grammar_from_json_schema(spec.json)
+        if spec.json_object:
+            return LLMatcher.grammar_from_json_schema('{"type": "object"}')
+        if spec.regex is not None:
+            return LLMatcher.grammar_from_regex(spec.regex)
+        return LLMatcher.grammar_from_regex("|".join(f"(?:{re.escape(c)})" for c in spec.choice))
+    except ValueError as e:  # llguidance refuses a malformed schema here
+        raise SpecforkError(f"the structured output does not compile: {e}", param=PARAM) from None
+
+
+class OutputGrammar:
+    """One request's matcher, in step with its committed output tokens."""
+
+    def __init__(self, matcher, vocab_size: int) -> None:
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self.consumed = 0  # output tokens the matcher has taken
+
+    def mask_(self, rows: np.ndarray, output: Sequence[int], drafts: Sequence[int]) -> None:
+        """Set to -inf, in place, every token the grammar does not allow in each of ``rows`` [n, V]:
+        row j follows ``output`` and then ``drafts[:j]``."""
+        self._catch_up(output)
+        n = rows.shape[0]
+        words = -(-self.vocab_size // 32)
+        bitmask = np.zeros((n, words), dtype=np.int32)
+        taken = 0
+        for j in range(n):
+            self._fill(bitmask, j)
+            if j + 1 < n:
+                draft = int(drafts[j])
+                # Rows past a draft the mask refuses, or past the output's end (where EOS alone is
+                # allowed, and ends the sequence), are never reached. A refused token would leave
+                # the matcher in error, and a stopped one takes EOS without counting it.
+                if (self.matcher.is_stopped() or not 0 <= draft < self.vocab_size
+                        or not (bitmask[j, draft >> 5] >> (draft & 31)) & 1):
+                    bitmask[j + 1 :] = bitmask[j]
+                    break
+                if not self.matcher.consume_token(draft):
+                    raise RuntimeError(f"the output's grammar refused draft {draft} its mask allowed: "
+                                       f"{self.matcher.get_error()}")
+                taken += 1
+        if taken:
+            self.matcher.rollback(taken)
+        allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, : rows.shape[1]]
+        rows[allowed == 0] = -np.inf
+
+    def _catch_up(self, output: Sequence[int]) -> None:
+        for token in output[self.consumed :]:
+            if not self.matcher.consume_token(int(token)):
+                raise RuntimeError(f"the output's grammar refused committed token {token}: {self.matcher.get_error()}")
+        self.consumed = len(output)
+
+    def _fill(self, bitmask: np.ndarray, row: int) -> None:
+        import llguidance.numpy
+
+        llguidance.numpy.fill_next_token_bitmask(self.matcher, bitmask, row)
