@@ -97,9 +97,10 @@ def test_sampled_sd_under_a_choice_grammar_is_the_masked_target_distribution(let
     assert stat < chi2_quantile(dof), f"chi2 {stat:.1f} >= {chi2_quantile(dof):.1f} (dof {dof}): {counts}"
 
 
-@pytest.mark.parametrize("drafter", ["draft", "ngram"])
+@pytest.mark.parametrize("drafter", ["draft", "ngram", "ssd"])
 def test_greedy_sd_under_a_grammar_equals_ar(lettered, drafter):
-    """Greedy: the grammar changes the output (it would not match without it), and SD equals AR."""
+    """Greedy: the grammar changes the output (it would not match without it), and SD (a draft
+    model, n-gram lookup) and SSD equal AR."""
     prompts = [PROMPT, [2, 2, 4], [6, 0, 1, 5]]
     grammar = SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=StructuredOutputs(regex="(ab|c)+g"))
     ar = LLM(lettered["target"], deterministic=True)
@@ -108,9 +109,10 @@ def test_greedy_sd_under_a_grammar_equals_ar(lettered, drafter):
                if ids[-1] == EOS)
     free = [o.token_ids for o in ar.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))]
     assert free != want
-    options = {"draft": lettered["draft"]} if drafter == "draft" else {"drafter": "ngram"}
-    sd = LLM(lettered["target"], mode="sd", k=3, deterministic=True, **options)
-    assert [o.token_ids for o in sd.generate(prompts, grammar)] == want
+    options = {"draft": {"mode": "sd", "draft": lettered["draft"]}, "ngram": {"mode": "sd", "drafter": "ngram"},
+               "ssd": {"mode": "ssd", "draft": lettered["draft"]}}[drafter]
+    with LLM(lettered["target"], k=3, deterministic=True, **options) as sd:
+        assert [o.token_ids for o in sd.generate(prompts, grammar)] == want
 
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},
