@@ -234,6 +234,10 @@ BAD_REQUESTS = [
      "choice must be a non-empty list"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "guided_regex": "a+", "ignore_eos": True}),
      "ignore_eos cannot be combined with structured outputs"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "guided_json": "[" * 100_000}),
+     "the JSON schema is not JSON"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "guided_regex": "a+",
+                                    "guided_whitespace_pattern": " "}), "'guided_whitespace_pattern' is not supported"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "max_completion_tokens": 3}),
      "'max_completion_tokens' is not a parameter of this endpoint (it spells this 'max_tokens')"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "temprature": 0}),
@@ -860,13 +864,14 @@ def test_structured_outputs_through_the_openai_client(server, offline):
     want = offline.chat([ask], SamplingParams(temperature=0, max_tokens=64,
                                               structured_outputs=StructuredOutputs(json=SCHEMA)))[0]
     assert reply.choices[0].message.content == want.text and reply.choices[0].finish_reason == "stop"
-    assert set(json.loads(want.text)) == {"name", "age"}
+    assert list(json.loads(want.text)) == ["name", "age"]  # the schema's order
     chunks = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=64, temperature=0, stream=True,
                                             response_format={"type": "json_object"})
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert isinstance(json.loads(streamed), dict)
     picked = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0,
-                                       extra_body={"guided_choice": ["Paris", "Lyon", "Marseille"]})
+                                       extra_body={"guided_choice": ["Paris", "Lyon", "Marseille"],
+                                                   "guided_decoding_backend": "xgrammar"})  # any library: the same
     assert picked.choices[0].text in ("Paris", "Lyon", "Marseille") and picked.choices[0].finish_reason == "stop"
     dated = client.completions.create(model=MODEL, prompt="Today's date, as YYYY-MM-DD:", max_tokens=16,
                                       temperature=0, extra_body={"guided_regex": "[0-9]{4}-[0-9]{2}-[0-9]{2}"})

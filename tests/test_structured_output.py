@@ -131,7 +131,7 @@ def test_the_embedded_model_follows_a_json_schema_and_sd_with_its_head_equals_ar
     assert done, [o.text for o in want]
     for o in done:
         value = json.loads(o.text)
-        assert set(value) == {"name", "age", "languages"} and isinstance(value["age"], int), value
+        assert list(value) == ["name", "age", "languages"] and isinstance(value["age"], int), value  # the schema's order
         assert len(value["name"]) <= 24 and len(value["languages"]) <= 3, value
     sd = LLM(mode="sd", deterministic=True, max_model_len=512)
     assert [o.token_ids for o in sd.chat(ASK, params)] == [o.token_ids for o in want]
@@ -147,6 +147,8 @@ def test_the_embedded_model_follows_a_json_schema_and_sd_with_its_head_equals_ar
     (dict(json="[1]"), "must be a JSON object"),
     (dict(choice=[]), "choice must be a non-empty list"),
     (dict(regex=""), "regex must be a non-empty string"),
+    (dict(json="[" * 100_000), "the JSON schema is not JSON"),  # nested too deeply (a RecursionError)
+    (dict(json={"default": object()}), "the JSON schema is not JSON"),
 ])
 def test_a_structured_output_says_what_it_wants_once(kwargs, message):
     with pytest.raises(SpecforkError, match=re.escape(message)) as e:
@@ -174,3 +176,24 @@ def test_a_grammar_that_does_not_compile_and_a_model_without_a_tokenizer_are_ref
     untokenized = LLM(str(tiny_checkpoints["llama-gqa-tied"].path))
     with pytest.raises(SpecforkError, match="need the model's tokenizer"):
         untokenized.generate([PROMPT], SamplingParams(max_tokens=4, structured_outputs=StructuredOutputs(regex="a")))
+
+
+def test_a_schema_keeps_the_order_of_its_properties():
+    """Properties are generated in the schema's order (as OpenAI and vLLM do): a schema asking for
+    "reasoning" before "answer" gets them so."""
+    schema = {"type": "object", "properties": {"zeta": {"type": "integer"}, "alpha": {"type": "integer"}},
+              "required": ["zeta", "alpha"]}
+    assert list(json.loads(StructuredOutputs(json=schema).json)["properties"]) == ["zeta", "alpha"]
+    assert StructuredOutputs(json=schema) == StructuredOutputs(json=json.dumps(schema))
+
+
+def test_a_tokenizer_llguidance_cannot_use_is_refused_once_and_clearly(lettered):
+    """A tokenizer with more tokens than the model has logits (llguidance refuses it): a
+    SpecforkError naming structured_outputs, remembered, never a raw error."""
+    from specfork.structured_output import GrammarCompiler
+
+    compiler = GrammarCompiler(LLM(lettered["target"]).engine.tokenizer, vocab_size=6, eos_token_ids=[EOS])
+    for _ in range(2):
+        with pytest.raises(SpecforkError, match="cannot use this model's tokenizer") as e:
+            compiler.check(StructuredOutputs(regex="ab"))
+        assert e.value.param == "structured_outputs"

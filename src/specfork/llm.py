@@ -179,6 +179,8 @@ class LLM:
         for ids, p in zip(prompt_ids, params, strict=True):  # refuse the batch before queueing any of it
             engine.check_prompt_ids(ids)
             engine.check_length(len(ids), p.max_tokens)
+            if p.structured_outputs is not None:
+                engine.grammars.check(p.structured_outputs)
         seqs = [engine.add_request(ids, p) for ids, p in zip(prompt_ids, params, strict=True)]
         progress = None
         if use_tqdm:

@@ -34,14 +34,16 @@ class StructuredOutputs:
         param = "structured_outputs"
         if self.json is not None:
             schema = self.json
-            if isinstance(schema, str):
-                try:
+            try:
+                if isinstance(schema, str):
                     schema = json.loads(schema)
-                except json.JSONDecodeError as e:
-                    raise SpecforkError(f"the JSON schema is not JSON: {e}", param=param) from None
-            if not isinstance(schema, dict):
-                raise SpecforkError(f"a JSON schema must be a JSON object, got {type(schema).__name__}", param=param)
-            object.__setattr__(self, "json", json.dumps(schema, sort_keys=True))  # canonical, hashable
+                if not isinstance(schema, dict):
+                    raise SpecforkError(f"a JSON schema must be a JSON object, got {type(schema).__name__}",
+                                        param=param)
+                # As text (hashable), its keys in the order given: properties are generated in it.
+                object.__setattr__(self, "json", json.dumps(schema))
+            except (ValueError, TypeError, RecursionError) as e:  # not JSON, not serialisable, nested too deeply
+                raise SpecforkError(f"the JSON schema is not JSON: {str(e) or type(e).__name__}", param=param) from None
         if not isinstance(self.json_object, bool):
             raise SpecforkError(f"json_object must be True or False, got {self.json_object!r}", param=param)
         if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
@@ -191,7 +193,8 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         """Whether ``specfork.sampling.adjust_logits_`` changes this request's logits whatever its
-        output so far (min_tokens aside: ``TokenHistory.adjusts`` decides it from the output)."""
+        output so far (min_tokens aside: ``TokenHistory.adjusts`` decides it from the output; a
+        structured output's grammar is the sequence's, and ``TokenHistory.adjusts`` counts it too)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or (self.min_p > 0.0 and not self.greedy) or bool(self.logit_bias) or bool(self.allowed_token_ids))
 

@@ -16,6 +16,7 @@ allows EOS alone."""
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -37,30 +38,50 @@ class GrammarCompiler:
         self._vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
         self._ll_tokenizer = None
+        self._unusable: SpecforkError | None = None  # why this model's tokenizer cannot serve grammars
+        self._lock = threading.Lock()  # the server checks grammars off the engine thread
+
+    def check(self, spec: StructuredOutputs) -> None:
+        """Compile ``spec`` once, for its errors (a server calls this while preparing a request,
+        off the engine thread, so that the tokenizer's table is built and a grammar that does not
+        compile is refused there rather than in the engine's loop)."""
+        self.grammar(spec)
 
     def grammar(self, spec: StructuredOutputs) -> OutputGrammar:
         """A fresh matcher for ``spec``; a SpecforkError naming ``structured_outputs`` when the model
-        has no tokenizer or the grammar does not compile (an unknown schema keyword, a bad regex)."""
+        has no usable tokenizer or the grammar does not compile (an unknown schema keyword, a bad
+        regex)."""
         import llguidance
 
-        matcher = llguidance.LLMatcher(self._llguidance_tokenizer(), _grammar_text(spec))
+        matcher = llguidance.LLMatcher(self._llguidance_tokenizer(), _grammar_text(spec), log_level=0)
         if matcher.is_error():
             raise SpecforkError(f"the structured output does not compile: {matcher.get_error()}", param=PARAM)
         return OutputGrammar(matcher, self._vocab_size)
 
     def _llguidance_tokenizer(self):
-        if self._ll_tokenizer is None:
-            if self._tokenizer is None:
-                raise SpecforkError("structured outputs need the model's tokenizer, and this model has none",
-                                    param=PARAM)
-            if not self._eos:
-                raise SpecforkError("structured outputs need an end-of-sequence token, and this model names none",
-                                    param=PARAM)
-            import llguidance.hf
+        with self._lock:
+            if self._ll_tokenizer is None and self._unusable is None:
+                self._unusable = self._unusable_because()
+                if self._unusable is None:
+                    import llguidance.hf
 
-            self._ll_tokenizer = llguidance.hf.from_tokenizer(self._tokenizer.hf, n_vocab=self._vocab_size,
-                                                              eos_token=self._eos)
-        return self._ll_tokenizer
+                    try:
+                        self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                            self._tokenizer.hf, n_vocab=self._vocab_size, eos_token=self._eos)
+                    except Exception as e:  # a slow tokenizer, one with more tokens than the model, ...
+                        self._unusable = SpecforkError(f"structured outputs cannot use this model's tokenizer: {e}",
+                                                       param=PARAM)
+            if self._unusable is not None:
+                raise self._unusable
+            return self._ll_tokenizer
+
+    def _unusable_because(self) -> SpecforkError | None:
+        if self._tokenizer is None:
+            return SpecforkError("structured outputs need the model's tokenizer, and this model has none", param=PARAM)
+        if not self._eos:
+            return SpecforkError("structured outputs need an end-of-sequence token, and this model names none",
+                                 param=PARAM)
+        return None
 
 
 def _grammar_text(spec: StructuredOutputs) -> str:
@@ -98,33 +119,40 @@ class OutputGrammar:
         words = -(-self.vocab_size // 32)
         bitmask = np.zeros((n, words), dtype=np.int32)
         taken = 0
-        for j in range(n):
-            self._fill(bitmask, j)
-            if j + 1 < n:
-                draft = int(drafts[j])
-                # Rows past a draft the mask refuses, or past the output's end (where EOS alone is
-                # allowed, and ends the sequence), are never reached. A refused token would leave
-                # the matcher in error, and a stopped one takes EOS without counting it.
-                if (self.matcher.is_stopped() or not 0 <= draft < self.vocab_size
-                        or not (bitmask[j, draft >> 5] >> (draft & 31)) & 1):
-                    bitmask[j + 1 :] = bitmask[j]
-                    break
-                if not self.matcher.consume_token(draft):
-                    raise RuntimeError(f"the output's grammar refused draft {draft} its mask allowed: "
-                                       f"{self.matcher.get_error()}")
-                taken += 1
-        if taken:
-            self.matcher.rollback(taken)
+        try:
+            for j in range(n):
+                self._fill(bitmask, j)
+                if j + 1 < n:
+                    draft = int(drafts[j])
+                    # Rows past a draft the mask refuses, or past the output's end (where EOS alone
+                    # is allowed, and ends the sequence), are never reached. A refused token would
+                    # leave the matcher in error, and a stopped one takes EOS without counting it.
+                    if (self.matcher.is_stopped() or not 0 <= draft < self.vocab_size
+                            or not (bitmask[j, draft >> 5] >> (draft & 31)) & 1):
+                        bitmask[j + 1 :] = bitmask[j]
+                        break
+                    self._consume(draft, "draft")
+                    taken += 1
+        finally:
+            if taken:
+                self.matcher.rollback(taken)
         allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, : rows.shape[1]]
         rows[allowed == 0] = -np.inf
 
     def _catch_up(self, output: Sequence[int]) -> None:
         for token in output[self.consumed :]:
-            if not self.matcher.consume_token(int(token)):
-                raise RuntimeError(f"the output's grammar refused committed token {token}: {self.matcher.get_error()}")
-        self.consumed = len(output)
+            self._consume(int(token), "token")
+            self.consumed += 1
+
+    def _consume(self, token: int, what: str) -> None:
+        if not self.matcher.consume_token(token) or self.matcher.is_error():
+            raise RuntimeError(f"the output's grammar failed at {what} {token}: {self.matcher.get_error()}")
 
     def _fill(self, bitmask: np.ndarray, row: int) -> None:
+        """The row's mask; a matcher in error (llguidance ran out of a resource limit) fails the
+        step rather than leaving EOS alone allowed, which would end the output unfinished."""
         import llguidance.numpy
 
         llguidance.numpy.fill_next_token_bitmask(self.matcher, bitmask, row)
+        if self.matcher.is_error():
+            raise RuntimeError(f"the output's grammar failed: {self.matcher.get_error()}")

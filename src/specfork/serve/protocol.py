@@ -91,12 +91,14 @@ _NEUTRAL: dict[str, tuple] = {
     "detokenize": (True,),
     "echo": (False,),  # chat's (vLLM); completions' is declared
     # no neutral value but null
-    "truncate_prompt_tokens": (), "prompt_logprobs": (), "guided_grammar": (), "guided_decoding_backend": (),
+    "truncate_prompt_tokens": (), "prompt_logprobs": (), "guided_grammar": (), "guided_whitespace_pattern": (),
     "chat_template": (), "audio": (), "prediction": (), "reasoning_effort": (), "documents": (),
 }
 # Fields that change nothing the model computes (the caller's bookkeeping): accepted and ignored.
+# (vLLM's guided_decoding_backend picks the library that holds the output to its grammar: the output
+# is the same whichever does it.)
 _BOOKKEEPING = frozenset({"metadata", "store", "service_tier", "parallel_tool_calls", "request_id", "priority",
-                          "prompt_cache_key", "safety_identifier"})
+                          "prompt_cache_key", "safety_identifier", "guided_decoding_backend"})
 
 
 def _is_neutral(value: object, neutral: tuple) -> bool:
@@ -105,7 +107,7 @@ def _is_neutral(value: object, neutral: tuple) -> bool:
 
 
 class JsonSchemaFormat(NullMeansDefault):
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
     name: str
     description: str | None = None
     json_schema: dict[str, Any] | None = Field(None, alias="schema")
