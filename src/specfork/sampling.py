@@ -1,8 +1,9 @@
 """Token sampling, the one module every decoding mode draws through.
 
 ``adjust_logits_`` applies a request's structured output (its grammar's mask), allowed ids,
-bad words, ``min_tokens``, logit bias, penalties and ``min_p`` to the target's logits (each row after the very tokens it follows, drafts included in a
-verify window), before AR sampling and speculative verification alike. Drafters draw without
+bad words, ``min_tokens``, logit bias, penalties and ``min_p`` to the target's logits (each row
+after the very tokens it follows, drafts included in a verify window), before AR sampling and
+speculative verification alike. Drafters draw without
 them: verification needs only the distribution each draft was drawn from, and adjusting the
 EAGLE-3 head's own logits the same way bought no acceptance (docs/decisions.md).
 
