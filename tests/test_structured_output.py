@@ -5,6 +5,7 @@ computed exactly by enumerating the outputs of a choice grammar over a vocabular
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections import Counter
@@ -197,3 +198,19 @@ def test_a_tokenizer_llguidance_cannot_use_is_refused_once_and_clearly(lettered)
         with pytest.raises(SpecforkError, match="cannot use this model's tokenizer") as e:
             compiler.check(StructuredOutputs(regex="ab"))
         assert e.value.param == "structured_outputs"
+
+
+def test_a_grammar_compiles_once_and_each_request_gets_its_own_matcher(lettered):
+    """n choices of one schema (or a server's repeated schema) compile once; each sequence still
+    has a matcher of its own, so one choice's tokens never move another's."""
+    llm = LLM(lettered["target"])
+    spec = StructuredOutputs(choice=CHOICES)
+    compiler = llm.engine.grammars
+    first, second = compiler.grammar(spec), compiler.grammar(spec)
+    assert len(compiler._compiled) == 1 and first.matcher is not second.matcher
+    first.matcher.consume_token(LETTERS.index("g"))
+    assert second.matcher.consume_token(LETTERS.index("a"))  # still at the start: "a" begins "ab"
+    params = SamplingParams(temperature=1.0, max_tokens=8, structured_outputs=spec)
+    outs = llm.generate([PROMPT] * 8, [dataclasses.replace(params, seed=i) for i in range(8)])
+    assert all("".join(LETTERS[t] for t in o.token_ids if t != EOS) in CHOICES for o in outs)
+    assert len(compiler._compiled) == 1
