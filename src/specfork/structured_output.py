@@ -87,8 +87,8 @@ class GrammarCompiler:
                     except Exception as e:  # a slow tokenizer, one with more tokens than the model, ...
                         self._unusable = SpecforkError(f"structured outputs cannot use this model's tokenizer: {e}",
                                                        param=PARAM)
-            if self._unusable is not None:
-                raise self._unusable
+            if self._unusable is not None:  # a new error each time (one raised again keeps its old traceback)
+                raise SpecforkError(str(self._unusable), param=PARAM)
             return self._ll_tokenizer
 
     def _unusable_because(self) -> SpecforkError | None:
