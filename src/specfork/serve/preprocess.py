@@ -112,7 +112,7 @@ def prepare_chat(raw: bytes, engine: LLMEngine, served_model_name: str) -> Job:
 def _check_grammar(body: CompletionRequest | ChatCompletionRequest, params: SamplingParams, engine: LLMEngine) -> None:
     """A structured output compiled here, off the engine's thread (the first one also builds the
     tokenizer's table for llguidance, ~0.4 s): a grammar that does not compile is a 400 before
-    the request is queued. (The engine compiles each choice's matcher again, in ~1 ms.)"""
+    the request is queued. (The engine then gives each choice a copy of the compiled matcher.)"""
     if params.structured_outputs is None:
         return
     try:
