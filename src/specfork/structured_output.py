@@ -15,7 +15,7 @@ allows EOS alone."""
 
 from __future__ import annotations
 
-import logging
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -24,8 +24,6 @@ import numpy as np
 
 from specfork.errors import SpecforkError
 from specfork.sampling_params import StructuredOutputs
-
-logger = logging.getLogger(__name__)
 
 PARAM = "structured_outputs"
 COMPILED_KEPT = 64  # grammars kept compiled (least recently used out first)
@@ -103,8 +101,6 @@ class GrammarCompiler:
 def _grammar_text(spec: StructuredOutputs) -> str:
     """llguidance's grammar for ``spec``: a JSON schema (``json_object``: any object), a regular
     expression, or the alternation of the choices, each matched literally."""
-    import re
-
     from llguidance import LLMatcher
 
     try:
@@ -131,9 +127,10 @@ class OutputGrammar:
         """Set to -inf, in place, every token the grammar does not allow in each of ``rows`` [n, V]:
         row j follows ``output`` and then ``drafts[:j]``."""
         self._catch_up(output)
+        import llguidance.numpy
+
         n = rows.shape[0]
-        words = -(-self.vocab_size // 32)
-        bitmask = np.zeros((n, words), dtype=np.int32)
+        bitmask = llguidance.numpy.allocate_token_bitmask(n, self.vocab_size)
         taken = 0
         try:
             for j in range(n):

@@ -28,9 +28,9 @@ unless the pair's next round agrees: a one-off cost, such as the CUDA graph a GP
 first round of each new window and key bucket, prices no k. a counts every draft position a
 round asked for: a proposer may propose fewer than k, or none (the EAGLE-3 head's confidence
 floor ends a chain where the head is unsure; prompt lookup finds no match; the lookup corpus
-proposes at most --corpus-tokens), and a position left empty yields no token, as a rejected one. Counted over the positions proposed only,
-E(k) overstated what rounds yielded (with penalties 1.85 tokens expected where rounds yielded
-1.37-1.44), and k auto speculated where plain decoding was faster (docs/decisions.md). A k = 0
+proposes at most --corpus-tokens), and a position left empty yields no token, as a rejected
+one. Counted over the positions proposed only, E(k) overstated what rounds yielded (with
+penalties 1.85 tokens expected where rounds yielded 1.37-1.44), and k auto speculated where plain decoding was faster (docs/decisions.md). A k = 0
 probe round now and then, while speculating, keeps plain decoding's real rate known: ``k auto``
 falls back to it whenever speculation does not pay. Every other probe while speculating runs
 k + 1 instead, so that a longer window gets a measured time too. The step times
@@ -289,10 +289,10 @@ class AutoK:
         time (a round mixing several k, a probe in a batch, is priced by no single k)."""
         k, batch = max(ks), len(ks)
         self.rounds_by_k[f"k={k}" if min(ks) == k else "probe"] += 1
-        if min(ks) == k and not self._stall(k, batch, seconds):
+        ratio = seconds / max(modelled_round_s(self.costs, k, batch), 1e-9)  # measured / modelled
+        if min(ks) == k and not self._stall(k, batch, ratio):
             # An old measurement counts less the older it is (the shared machine's pace moves): one
             # round ago it keeps 1 - OVERHEAD_WEIGHT, a probe's last, PROBE_EVERY rounds ago, ~0.
-            ratio = seconds / max(modelled_round_s(self.costs, k, batch), 1e-9)
             old = self._overhead.get((batch, k))
             keep = (1 - OVERHEAD_WEIGHT) ** (self.rounds - self._measured_at.get((batch, k), self.rounds - 1))
             self._overhead[(batch, k)] = ratio if old is None else keep * old + (1 - keep) * ratio
@@ -303,17 +303,17 @@ class AutoK:
         if self._since_plan >= REPLAN_EVERY:
             self._replan(self.current.batch)
 
-    def _stall(self, k: int, batch: int, seconds: float) -> bool:
-        """Whether this round of k at ``batch`` is set aside: it took over STALL_RATIO times what
-        the pair's rounds are expected to take (the model's time scaled by the pair's measured, or
-        borrowed, overhead), and the pair's previous round was not set aside too. A one-off cost
+    def _stall(self, k: int, batch: int, ratio: float) -> bool:
+        """Whether this round of k at ``batch``, ``ratio`` times its modelled time, is set aside:
+        it took over STALL_RATIO times what the pair's rounds are expected to take (the model's
+        time scaled by the pair's measured, or borrowed, overhead), and the pair's previous round
+        was not set aside too. A one-off cost
         then prices no k: on a GPU the first round of a new window length or key bucket captures
         a CUDA graph, ~50 ms against a 4-5 ms round (an H200, docs/benchmarks.md), and such
         rounds, weighted like any other, priced k = 3 at 12x its time, so that k auto decoded
         plainly or at k = 1 where k = 3 was 1.14x faster. A slowdown that lasts is believed from
         its second round."""
-        expected = modelled_round_s(self.costs, k, batch) * self.overhead(k, batch)
-        if seconds <= STALL_RATIO * expected or (batch, k) in self._stalled:
+        if ratio <= STALL_RATIO * self.overhead(k, batch) or (batch, k) in self._stalled:
             self._stalled.discard((batch, k))
             return False
         self._stalled.add((batch, k))
