@@ -1,8 +1,8 @@
 """The native kernels' instruction sets: the quantised GEMM compiled for portable C++, AVX2,
-AVX-512 and AVX-512 VNNI gives identical results on every set this CPU runs, for Q4_0, Q4_1, Q8_0
-and int4 weights, int16 and int8 activations, at every verify-window height M = 1..9 and for a batch
-of 25 rows (several row blocks share each tile's weights, unpacked once on AVX-512); the set in use
-is the best one."""
+AVX-512 and AVX-512 VNNI gives identical results on every set this CPU runs, for Q4_0, Q4_1, Q8_0,
+Q5_1, Q4_K, Q6_K and int4 weights, int16 and int8 activations, at every verify-window height
+M = 1..9 and for a batch of 25 rows (several row blocks share each tile's weights, unpacked once
+on AVX-512); the set in use is the best one."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import pytest
 import torch
 from test_quantized import _gguf_weight
 
+from specfork.layers.gguf_blocks import from_gguf_blocks
 from specfork.layers.linear import make_linear
-from specfork.layers.quantized import QuantizedLinear, from_gguf_blocks, quantize_int4
+from specfork.layers.quantized import QuantizedLinear, quantize_int4
 from specfork.native_kernels import kernels as native_kernels
 
 pytestmark = pytest.mark.skipif(native_kernels() is None, reason="native kernels need a C++ compiler")
@@ -49,6 +50,9 @@ def _run(layer: QuantizedLinear, x: torch.Tensor, isa: str) -> torch.Tensor:
 def _weights():
     for type_name in ("Q4_0", "Q4_1", "Q8_0"):
         for n, k in SHAPES:
+            yield f"{type_name}-{n}x{k}", from_gguf_blocks(_gguf_weight(type_name, n, k, seed=n)[0], type_name, (n, k))
+    for type_name in ("Q5_1", "Q4_K", "Q6_K"):  # 8-bit q with offsets; 4-bit in k-quants' blocks; groups of 16
+        for n, k in ((100, 256), (33, 512)):
             yield f"{type_name}-{n}x{k}", from_gguf_blocks(_gguf_weight(type_name, n, k, seed=n)[0], type_name, (n, k))
     gen = torch.Generator().manual_seed(7)
     for group in (32, 6):  # 6 inputs per group: an odd number of pairs, and no whole quads (int8 inputs: int16 kept)

@@ -1,30 +1,30 @@
-"""Native quantised execution: GGUF Q4_0 / Q4_1 / Q8_0 weights run without dequantising per step.
+"""Native quantised execution: GGUF's Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 and k-quant (Q4_K, Q5_K,
+Q6_K) weights run without dequantising per step.
 
-References are the ``gguf`` package's own quantiser and dequantiser: the native layer must equal
-dequantise-then-float32-matmul within the error its activation rounding allows (each input rounded
-to int16 per row and quantisation group, see ``csrc/quant_gemm.cpp``) plus float rounding, for
-every shape, and compute each row independently of the others (so speculative verification
-reproduces decoding exactly).
+References are the ``gguf`` package's own quantiser and dequantiser: unpacked blocks dequantise as
+it does (exactly, or for the k-quants within the fp16 rounding of their combined scales), and the
+native layer must equal dequantise-then-float32-matmul within the error its activation rounding
+allows (each input rounded to int16 per row and quantisation group, see ``csrc/quant_gemm.cpp``)
+plus float rounding, for every shape, and compute each row independently of the others (so
+speculative verification reproduces decoding exactly).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 from helpers import assert_greedy_match, prefill_logits
+from random_blocks import k_quant_llama_gguf, random_blocks
 
 from specfork import LLM, SamplingParams
 from specfork.layers.attention import read_kv
+from specfork.layers.gguf_blocks import BLOCK_BYTES, NATIVE_FORMATS, decode_blocks, from_gguf_blocks
 from specfork.layers.linear import DenseLinear, make_linear
-from specfork.layers.quantized import (
-    GGUF_FORMATS,
-    QuantizedLinear,
-    QuantizedWeight,
-    from_gguf_blocks,
-    quantize_int4,
-)
+from specfork.layers.quantized import QuantizedLinear, QuantizedWeight, quantize_int4
 from specfork.loading.gguf_export import export_gguf
 from specfork.native_kernels import kernels as native_kernels
 
@@ -44,28 +44,68 @@ def _activation_rounding_bound(weight: QuantizedWeight, x: torch.Tensor) -> torc
     return (s / 2) @ centred.t()
 
 
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+K_SHAPES = [(576, 1536), (100, 256), (33, 512), (1, 256)]  # k-quant rows hold whole super-blocks of 256
+
+
 def _gguf_weight(type_name: str, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
-    rng = np.random.default_rng(seed)
-    w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+    """(the blocks [n, row bytes], gguf's own dequantisation of them as float32 [n, k]): quantised by
+    gguf where it can, random well-formed blocks for the k-quants (gguf only dequantises those)."""
     qtype = getattr(GGMLQuantizationType, type_name)
-    raw = quants.quantize(w, qtype)
+    if type_name in K_QUANTS:
+        raw = random_blocks(type_name, n, k, seed=seed)
+    else:
+        rng = np.random.default_rng(seed)
+        raw = quants.quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, qtype)
     reference = torch.from_numpy(quants.dequantize(raw, qtype).reshape(n, k).astype(np.float32))
     return raw, reference
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
-@pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
-def test_unpacked_blocks_dequantize_exactly_as_gguf(type_name, shape):
-    raw, reference = _gguf_weight(type_name, *shape)
+def _cases(types):
+    return [(t, shape) for t in types for shape in (K_SHAPES if t in K_QUANTS else SHAPES)]
+
+
+@pytest.mark.parametrize("type_name, shape", _cases(NATIVE_FORMATS), ids=lambda v: v if isinstance(v, str) else "x".join(map(str, v)))
+def test_unpacked_blocks_dequantize_as_gguf(type_name, shape):
+    """Every format's integers, scales and offsets (float32, before the kernel's fp16 storage) give
+    gguf's own values bit for bit; stored as fp16 they stay exact for all but the k-quants, whose
+    combined scales d_super * sc (and minima dmin * m) move by at most 2^-11 of a weight's terms."""
+    raw, reference = _gguf_weight(type_name, *shape, seed=shape[0])
+    q, d, o, bits = decode_blocks(raw, type_name, shape)
+    exact = QuantizedWeight(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(o), bits, "exact")
+    assert torch.equal(exact.dequantize(), reference)
     weight = from_gguf_blocks(raw, type_name, shape)
-    assert torch.equal(weight.dequantize(), reference)
+    assert weight.bits == bits and weight.group == (16 if type_name == "Q6_K" else 32)
+    if type_name not in K_QUANTS:
+        assert torch.equal(weight.dequantize(), reference)
+        return
+    g = weight.group
+    terms = np.abs(q.astype(np.float64)) * np.repeat(np.abs(d), g, axis=1) + np.repeat(np.abs(o), g, axis=1)
+    moved = (weight.dequantize().double() - reference.double()).abs().numpy()
+    assert (moved <= (2.0**-11 + 2.0**-22) * terms + 1e-12).all()  # fp16 rounding, plus float32's of w
+    assert moved.max() > 0  # the rounding is real here: the bound above is what tests it
+
+
+def test_formats_without_a_native_form_are_refused_by_the_unpacker():
+    with pytest.raises(ValueError, match="no native form for GGUF Q2_K"):
+        decode_blocks(np.zeros((1, 84), np.uint8), "Q2_K", (1, 256))
+    with pytest.raises(ValueError, match="not a multiple of its block of 256"):
+        decode_blocks(np.zeros((1, 144), np.uint8), "Q4_K", (1, 128))
+
+
+def test_a_k_quant_scale_beyond_fp16_leaves_the_tensor_to_be_dequantised():
+    raw = random_blocks("Q4_K", 2, 256)
+    raw[0, 0:2] = np.array([60000.0], np.float16).view(np.uint8)  # d_super: times a sub-scale up to 63, past fp16
+    raw[0, 4] = 63  # sub-block 0's scale
+    assert from_gguf_blocks(raw, "Q4_K", (2, 256)) is None
+    raw[0, 0:2] = np.array([1e-3], np.float16).view(np.uint8)
+    assert from_gguf_blocks(raw, "Q4_K", (2, 256)) is not None
 
 
 @needs_kernel
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
-@pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
+@pytest.mark.parametrize("type_name, shape", _cases(NATIVE_FORMATS), ids=lambda v: v if isinstance(v, str) else "x".join(map(str, v)))
 def test_native_matmul_equals_dequantized_matmul(type_name, shape):
-    raw, reference = _gguf_weight(type_name, *shape, seed=shape[0])
+    raw, _ = _gguf_weight(type_name, *shape, seed=shape[0])
     # Inputs of their own seed: the tolerance below is for typical rows, and a row whose terms
     # cancel may exceed it (the bound above is the guarantee), so the inputs must not depend on
     # what ran before.
@@ -76,7 +116,8 @@ def test_native_matmul_equals_dequantized_matmul(type_name, shape):
     assert isinstance(layer, QuantizedLinear)
     x = torch.randn(11, shape[1], generator=gen)
     x[3] *= 1000.0  # the error scales with each row's own inputs
-    expected = x.double() @ reference.double().t() + bias.double()
+    # what the layer holds (gguf's values, exactly or within the test above's fp16 rounding)
+    expected = x.double() @ weight.dequantize().double().t() + bias.double()
     got = layer(x)
     error = (got.double() - expected).abs()
     float_rounding = 1e-5 * (expected.abs().amax(-1, keepdim=True) + 1.0)
@@ -120,7 +161,7 @@ def test_a_pass_over_the_weight_reads_the_bytes_gguf_stores(type_name):
     n, k = 576, 1536
     raw, _ = _gguf_weight(type_name, n, k)
     layer = make_linear(from_gguf_blocks(raw, type_name, (n, k)))
-    assert layer.weight_bytes == n * k // 32 * GGUF_FORMATS[type_name]
+    assert layer.weight_bytes == n * k // 32 * BLOCK_BYTES[type_name]
 
 
 @needs_kernel
@@ -166,6 +207,26 @@ def test_concatenation_keeps_weights_quantized():
     assert torch.equal(fused.dequantize(), torch.cat([a.dequantize()] * 3))
 
 
+@needs_kernel
+def test_concatenating_different_formats_keeps_them_quantized_and_exact():
+    """A fused projection of a Q4_K query and key and a Q6_K value (a Q4_K_M file's layer) is one
+    8-bit weight in groups of 16, holding every part's weights exactly, and runs native."""
+    parts = [from_gguf_blocks(_gguf_weight(t, n, 256, seed=n)[0], t, (n, 256))
+             for t, n in (("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 32))]
+    fused = torch.cat(parts)
+    assert isinstance(fused, QuantizedWeight) and (fused.bits, fused.group, fused.shape) == (8, 16, (128, 256))
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    layer = make_linear(fused)
+    assert isinstance(layer, QuantizedLinear)
+    x = torch.randn(3, 256)
+    separate = torch.cat([make_linear(p)(x) for p in parts], dim=1)
+    bound = torch.cat([_activation_rounding_bound(p, x) for p in parts], dim=1)
+    assert bool(((layer(x) - separate).abs() <= 2 * bound + 1e-5).all())
+    # activations rounded differently: no common form, so dense (and still exact)
+    odd = torch.cat([parts[0], replace(parts[1], input_bits=8)])
+    assert isinstance(odd, torch.Tensor) and torch.equal(odd, torch.cat([parts[0].dequantize(), parts[1].dequantize()]))
+
+
 # ---- whole models -----------------------------------------------------------------------------------
 
 
@@ -173,7 +234,36 @@ def test_concatenation_keeps_weights_quantized():
 def quantized_ggufs(tiny_checkpoints, tmp_path_factory):
     root = tmp_path_factory.mktemp("qgguf")
     source = tiny_checkpoints["llama-gqa-tied"].path
-    return {t: export_gguf(source, root / f"tiny-{t}.gguf", vocab_from=None, out_type=t) for t in ("q4_0", "q4_1", "q8_0")}
+    files = {t: export_gguf(source, root / f"tiny-{t}.gguf", vocab_from=None, out_type=t) for t in ("q4_0", "q4_1", "q8_0")}
+    files["k-mix"] = k_quant_llama_gguf(root / "tiny-k-mix.gguf", K_MIX)
+    return files
+
+
+# The formats of a tiny model whose every matrix is in another block format: a Q4_K_M file's Q4_K
+# query, key and gate beside Q6_K values and embeddings, plus Q5_K, Q5_1 and Q5_0.
+K_MIX = {"token_embd": "Q6_K", "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_K",
+         "ffn_gate": "Q4_K", "ffn_up": "Q5_1", "ffn_down": "Q5_0"}
+
+
+@needs_kernel
+def test_a_model_of_k_quants_and_five_bit_blocks_runs_native_and_close_to_gguf(quantized_ggufs):
+    """Every projection stays quantised (fused ones of mixed formats too), the logits stay within
+    the fp16 rounding of the k-quants' scales of the exactly dequantised model's, and greedy
+    decoding agrees except at near-ties."""
+    path = str(quantized_ggufs["k-mix"])
+    native, fp32 = LLM(path, weights="native", kv_cache_dtype="float32"), LLM(path, weights="fp32")
+    linears = {name: type(m).__name__ for name, m in native.engine.loaded.model.named_modules()
+               if type(m).__name__ in ("QuantizedLinear", "DenseLinear")}
+    assert len(linears) == 9 and set(linears.values()) == {"QuantizedLinear"}, linears
+    sources = {m.source for m in native.engine.loaded.model.modules() if isinstance(m, QuantizedLinear)}
+    assert sources == {"q4_k+q6_k", "q5_k", "q4_k+q5_1", "q5_0", "q6_k"}
+    ids = [1, 17, 33, 5, 99, 201, 4, 8]
+    a, b = prefill_logits(native, ids), prefill_logits(fp32, ids)
+    assert float((a - b).abs().max()) <= 5e-3 * (float(b.abs().max()) + 1)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ours = native.generate([ids], params)[0].token_ids
+    theirs = fp32.generate([ids], params)[0].token_ids
+    assert_greedy_match(ours, theirs, prefill_logits(fp32, ids + theirs)[len(ids) - 1 :], atol=2e-2)
 
 
 @needs_kernel
@@ -196,11 +286,13 @@ def test_native_model_logits_match_the_dequantized_model(quantized_ggufs, out_ty
 
 
 @needs_kernel
-@pytest.mark.parametrize("mode, kv, weights", [("sd", None, "native"), ("ssd", None, "native"),
-                                              ("sd", "float32", "native"), ("sd", None, "native-int8"),
-                                              ("ssd", None, "native-int8")])
-def test_speculation_on_the_native_path_equals_native_ar(quantized_ggufs, mode, kv, weights):
-    path = str(quantized_ggufs["q4_1"])
+@pytest.mark.parametrize("mode, kv, weights, target", [("sd", None, "native", "q4_1"), ("ssd", None, "native", "q4_1"),
+                                                      ("sd", "float32", "native", "q4_1"),
+                                                      ("sd", None, "native-int8", "q4_1"),
+                                                      ("ssd", None, "native-int8", "q4_1"),
+                                                      ("sd", None, "native", "k-mix")])
+def test_speculation_on_the_native_path_equals_native_ar(quantized_ggufs, mode, kv, weights, target):
+    path = str(quantized_ggufs[target])
     prompts = [[1, 17, 33, 5], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     ar = [o.token_ids for o in LLM(path, deterministic=True, kv_cache_dtype=kv, weights=weights).generate(prompts, params)]
@@ -229,7 +321,8 @@ def test_embedded_model_native_greedy_equals_fp32_except_near_ties(max_tokens):
 @needs_kernel
 @pytest.mark.parametrize("out_type, kv, weights", [("q4_0", None, "native"), ("q4_1", None, "native"),
                                                    ("q8_0", None, "native"), ("q4_1", "float32", "native"),
-                                                   ("q4_1", None, "native-int8"), ("q8_0", None, "native-int8")])
+                                                   ("q4_1", None, "native-int8"), ("q8_0", None, "native-int8"),
+                                                   ("k-mix", None, "native"), ("k-mix", None, "native-int8")])
 def test_one_native_call_per_forward_is_bit_identical_to_the_module_path(quantized_ggufs, out_type, kv, weights):
     """Decode and verify windows of two sequences: all layers and the LM head in one native call,
     one native call per layer, and the Python module path give the same logits, features and KV

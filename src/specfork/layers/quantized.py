@@ -1,9 +1,9 @@
 """Block-quantised weights and the linear layer that runs them without dequantising per step.
 
 A :class:`QuantizedWeight` holds a weight [N, K] as GGUF does: integer values q, and per group of
-``group`` inputs of each row a scale d and an offset o, with w = q * d + o. GGUF's Q4_0
-(o = -8d), Q4_1 (o = m) and Q8_0 (o = 0) map onto it exactly, without re-quantisation, and
-``quantize_int4`` makes the same form from float weights (HF checkpoints, ``--quantize int4``).
+``group`` inputs of each row a scale d and an offset o, with w = q * d + o. GGUF's formats map onto
+it without re-quantisation (:mod:`specfork.layers.gguf_blocks`), and ``quantize_int4`` makes the
+same form from float weights (HF checkpoints, ``--quantize int4``).
 
 It supports what model construction does with weights: ``torch.cat`` along rows (fused q/k/v and
 gate/up projections), row selection (llama.cpp's q/k row order), ``.to(device)``. On CPU in
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -24,7 +23,6 @@ from specfork.native_kernels import kernels as native_kernels
 Q4, Q8 = 4, 8
 INPUT_BITS = (16, 8)  # how finely the native kernel rounds activations (csrc/quant_gemm.cpp)
 INT8_INPUTS = 16  # the kernel's format flag for int8 activations
-GGUF_BLOCK = 32
 MAX_GROUP = 128  # the native kernel's limit (csrc/quant_gemm.cpp, kMaxGroup)
 
 
@@ -75,8 +73,9 @@ class QuantizedWeight:
             parts = list(args[0])
             dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
             if dim == 0 and all(isinstance(p, QuantizedWeight) for p in parts):
-                same = {(p.bits, p.group, p.input_bits) for p in parts}
-                if len(same) == 1:
+                common = _common_form(parts)
+                if common is not None:
+                    parts = common
                     return QuantizedWeight(
                         torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
                         torch.cat([p.offset for p in parts]), parts[0].bits, "+".join(sorted({p.source for p in parts})),
@@ -92,28 +91,25 @@ def dense(weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
     return weight.dequantize() if isinstance(weight, QuantizedWeight) else weight
 
 
-# ---- GGUF blocks ---------------------------------------------------------------------------------
-
-GGUF_FORMATS = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # bytes per block of 32
-
-
-def from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantizedWeight:
-    """Unpack GGUF Q4_0 / Q4_1 / Q8_0 rows (``raw``: the tensor's bytes, [N, row_bytes] uint8)."""
-    n, k = shape
-    block_bytes = GGUF_FORMATS[type_name]
-    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // GGUF_BLOCK, block_bytes)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if type_name == "Q8_0":
-        q = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
-        return QuantizedWeight(torch.from_numpy(q), torch.from_numpy(d), torch.zeros_like(torch.from_numpy(d)),
-                               Q8, "q8_0")
-    if type_name == "Q4_0":
-        qs, offset = blocks[..., 2:], -8.0 * d
-    else:
-        qs, offset = blocks[..., 4:], blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    q = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(n, k)
-    return QuantizedWeight(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(np.ascontiguousarray(offset)),
-                           Q4, type_name.lower())
+def _common_form(parts: list[QuantizedWeight]) -> list[QuantizedWeight] | None:
+    """The same weights in one form, exactly: 8-bit q where any part has them (4-bit q 0..15 are
+    8-bit values too, with the same d and o) and the smallest group (a group's d and o repeated
+    over its smaller groups), so that a fused projection of differently quantised parts (a GGUF
+    Q4_K_M file's Q4_K query and key with a Q6_K value) stays quantised rather than turning dense.
+    None where no such form exists (activations rounded differently, groups that do not divide)."""
+    bits = max(p.bits for p in parts)
+    group = min(p.group for p in parts)
+    if len({p.input_bits for p in parts}) > 1 or any(p.group % group for p in parts):
+        return None
+    out = []
+    for p in parts:
+        if p.bits != bits:
+            p = replace(p, q=p.q.to(torch.int8), bits=bits)
+        if p.group != group:
+            repeat = p.group // group
+            p = replace(p, scale=p.scale.repeat_interleave(repeat, dim=1), offset=p.offset.repeat_interleave(repeat, dim=1))
+        out.append(p)
+    return out
 
 
 def quantize_int4(weight: torch.Tensor, group: int) -> QuantizedWeight:

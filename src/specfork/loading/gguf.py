@@ -166,9 +166,9 @@ def dequantize_tensor(tensor: GGUFTensor) -> torch.Tensor:
 
 
 def load_gguf_tensors(reader: GGUFFile, cfg: ModelArchConfig, path: Path, *, native: bool = False) -> dict:
-    """HF-named tensors. With ``native``, Q4_0 / Q4_1 / Q8_0 matrices stay in their quantised
-    form (:class:`QuantizedWeight`); everything else is dequantised to float32."""
-    from specfork.layers.quantized import GGUF_FORMATS, from_gguf_blocks
+    """HF-named tensors. With ``native``, matrices in a format :mod:`specfork.layers.gguf_blocks`
+    unpacks stay quantised (:class:`QuantizedWeight`); everything else is dequantised to float32."""
+    from specfork.layers.gguf_blocks import NATIVE_FORMATS, from_gguf_blocks
 
     tensors: dict = {}
     for tensor in reader.tensors:
@@ -177,9 +177,10 @@ def load_gguf_tensors(reader: GGUFFile, cfg: ModelArchConfig, path: Path, *, nat
             continue
         type_name = tensor.type_name
         try:
-            if native and type_name in GGUF_FORMATS and len(tensor.shape) == 2:
+            w = None
+            if native and type_name in NATIVE_FORMATS and len(tensor.shape) == 2:
                 w = from_gguf_blocks(tensor.data, type_name, tensor.shape)
-            else:
+            if w is None:
                 w = dequantize_tensor(tensor)
         except Exception as e:
             raise ModelLoadError(f"{path}: cannot read {tensor.name} ({type_name}): {e}") from None

@@ -55,7 +55,8 @@ def load_model(
 ) -> LoadedModel:
     """Load ``model`` (alias, HF dir or GGUF file) onto ``device`` in ``dtype``.
 
-    ``weights``: "native" keeps a GGUF's Q4_0/Q4_1/Q8_0 matrices quantised (run by the native
+    ``weights``: "native" keeps a GGUF's matrices quantised where
+    :mod:`specfork.layers.gguf_blocks` has a form for their format (run by the native
     kernel on CPU in float32, activations rounded to int16), "native-int8" the same with int8
     activations; "fp32" dequantises everything at load. ``quantize_group``
     quantises the projection matrices of an HF checkpoint to 4 bits in groups of that many inputs.

@@ -1,0 +1,152 @@
+"""GGUF's block-quantised formats unpacked into :class:`QuantizedWeight` (integer q, per-group scale
+d and offset o, w = q * d + o), the form the native kernel runs.
+
+Every format GGUF's Llama files commonly use maps onto it:
+
+* ``Q4_0``, ``Q4_1``, ``Q8_0`` (blocks of 32, one fp16 d and m): exactly, 4- or 8-bit q.
+* ``Q5_0``, ``Q5_1``: exactly, as 8-bit q (q - 16, or q) in groups of 32.
+* k-quants (super-blocks of 256 with sub-block scales): ``Q4_K`` as 4-bit q in groups of 32 with
+  d = d_super * sc and o = -dmin * m; ``Q5_K`` the same with 8-bit q; ``Q6_K`` as 8-bit q - 32 in
+  groups of 16 with d = d_super * sc. The kernel stores each group's d and o in fp16 as GGUF does
+  for the simple formats, so these products of an fp16 and a 6- or 8-bit integer are rounded to
+  fp16: each weight moves by at most 2^-11 of its group's |d q| + |o|, against a quantisation step
+  of d. :func:`decode_blocks` gives the exact float32 d and o for tests and measurements.
+
+The other formats (``Q2_K``, ``Q3_K``, the i-quants) are dequantised to float32 by the loader.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from specfork.layers.quantized import Q4, Q8, QuantizedWeight
+
+# Bytes per block and values per block of each format unpacked here.
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+BLOCK_VALUES = {name: (256 if name.endswith("_K") else 32) for name in BLOCK_BYTES}
+NATIVE_FORMATS = tuple(BLOCK_BYTES)
+
+
+def from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantizedWeight | None:
+    """A GGUF tensor's rows (``raw``: its bytes, [N, row_bytes] uint8) as a :class:`QuantizedWeight`,
+    scales and offsets rounded to fp16 values (exact for every format but the k-quants); None where
+    a k-quant's combined scale is beyond fp16's range (the tensor is then better dequantised)."""
+    q, d, o, bits = decode_blocks(raw, type_name, shape)
+    with np.errstate(over="ignore"):
+        d16, o16 = _fp16(d), _fp16(o)
+    if not (np.isfinite(d16) | ~np.isfinite(d)).all() or not (np.isfinite(o16) | ~np.isfinite(o)).all():
+        return None
+    return QuantizedWeight(torch.from_numpy(q), torch.from_numpy(d16), torch.from_numpy(o16), bits, type_name.lower())
+
+
+def decode_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]):
+    """(q [N, K] uint8 for 4-bit / int8 for 8-bit, d [N, K / G] float32, o [N, K / G] float32, bits):
+    w = q * d + o exactly as GGUF's dequantiser computes it."""
+    if type_name not in BLOCK_BYTES:
+        raise ValueError(f"no native form for GGUF {type_name} (native: {', '.join(NATIVE_FORMATS)})")
+    n, k = shape
+    per_block = BLOCK_VALUES[type_name]
+    if k % per_block:
+        raise ValueError(f"{type_name}: {k} inputs per row is not a multiple of its block of {per_block}")
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // per_block, BLOCK_BYTES[type_name])
+    q, d, o, bits = _DECODERS[type_name](blocks)
+    return (np.ascontiguousarray(q.reshape(n, k)), np.ascontiguousarray(d.reshape(n, -1), dtype=np.float32),
+            np.ascontiguousarray(o.reshape(n, -1), dtype=np.float32), bits)
+
+
+def _half(blocks: np.ndarray, start: int) -> np.ndarray:
+    """The fp16 at byte ``start`` of every block, as float32 [N, blocks]."""
+    return blocks[..., start : start + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """Bytes [..., 16] -> [..., 32]: the low nibbles (values 0..15), then the high nibbles (16..31)."""
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def _fp16(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).astype(np.float32)
+
+
+def _q4_0(blocks):
+    d = _half(blocks, 0)
+    return _nibbles(blocks[..., 2:]), d, -8.0 * d, Q4
+
+
+def _q4_1(blocks):
+    return _nibbles(blocks[..., 4:]), _half(blocks, 0), _half(blocks, 2), Q4
+
+
+def _q8_0(blocks):
+    return blocks[..., 2:].copy().view(np.int8), _half(blocks, 0), np.zeros(blocks.shape[:-1], np.float32), Q8
+
+
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_0 / Q5_1's 4 bytes of high bits [..., 4] -> bit j of the little-endian word, shifted to 16, [..., 32]."""
+    word = qh.copy().view("<u4")[..., 0].astype(np.uint32)
+    bits = (word[..., None] >> np.arange(32, dtype=np.uint32)) & 1
+    return (bits << 4).astype(np.uint8)
+
+
+def _q5_0(blocks):
+    q = _nibbles(blocks[..., 6:]) | _fifth_bits(blocks[..., 2:6])
+    return (q.astype(np.int16) - 16).astype(np.int8), _half(blocks, 0), np.zeros(blocks.shape[:-1], np.float32), Q8
+
+
+def _q5_1(blocks):
+    q = _nibbles(blocks[..., 8:]) | _fifth_bits(blocks[..., 4:8])
+    return q.astype(np.int8), _half(blocks, 0), _half(blocks, 2), Q8
+
+
+def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 bytes [..., 12] -> the eight 6-bit sub-block scales and minima [..., 8]:
+    sub-blocks 0..3 in the low 6 bits of bytes 0..3 (scales) and 4..7 (minima); sub-blocks 4..7
+    take their low 4 bits from bytes 8..11 (scale: low nibble, minimum: high nibble) and their top
+    2 bits from the top bits of bytes 0..3 (scales) and 4..7 (minima)."""
+    low, mid, high = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = np.concatenate([low & 63, (high & 15) | ((low >> 6) << 4)], axis=-1)
+    minima = np.concatenate([mid & 63, (high >> 4) | ((mid >> 6) << 4)], axis=-1)
+    return scales.astype(np.float32), minima.astype(np.float32)
+
+
+def _k_groups(blocks, sub_scales, sub_minima):
+    """Per 32-value sub-block: d = d_super * sc, o = -dmin * m."""
+    d, dmin = _half(blocks, 0), _half(blocks, 2)
+    return d[..., None] * sub_scales, -(dmin[..., None] * sub_minima)
+
+
+def _q4_k(blocks):
+    sc, m = _k_scales(blocks[..., 4:16])
+    qs = blocks[..., 16:].reshape(*blocks.shape[:-1], 4, 32)  # per 64 values: 32 low nibbles, then 32 high
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1)  # [..., 4, 64]: sub-blocks 2j, 2j + 1
+    d, o = _k_groups(blocks, sc, m)
+    return q.reshape(*blocks.shape[:-1], 256), d, o, Q4
+
+
+def _q5_k(blocks):
+    sc, m = _k_scales(blocks[..., 4:16])
+    qh = blocks[..., 16:48]  # [..., 32]: bit 2j of byte l is value l of sub-block 2j's fifth bit, 2j + 1 likewise
+    qs = blocks[..., 48:].reshape(*blocks.shape[:-1], 4, 32)
+    shift = np.arange(8, dtype=np.uint8)
+    high = ((qh[..., None, :] >> shift[:, None]) & 1) << 4  # [..., 8 sub-blocks, 32]
+    low = np.stack([qs & 15, qs >> 4], axis=-2).reshape(*blocks.shape[:-1], 8, 32)
+    d, o = _k_groups(blocks, sc, m)
+    return (low | high).reshape(*blocks.shape[:-1], 256).astype(np.int8), d, o, Q8
+
+
+def _q6_k(blocks):
+    ql = blocks[..., 0:128].reshape(*blocks.shape[:-1], 2, 2, 32)  # per half of 128 values: two runs of 32 bytes
+    qh = blocks[..., 128:192].reshape(*blocks.shape[:-1], 2, 32)
+    sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)  # 16 scales, one per 16 values
+    d = _half(blocks, 208)
+    # Within a half: values 0..31 low nibbles of run 0 (high bits 0-1 of qh), 32..63 low nibbles of
+    # run 1 (bits 2-3), 64..95 high nibbles of run 0 (bits 4-5), 96..127 high nibbles of run 1 (bits 6-7).
+    low = np.stack([ql[..., 0, :] & 15, ql[..., 1, :] & 15, ql[..., 0, :] >> 4, ql[..., 1, :] >> 4], axis=-2)
+    high = np.stack([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=-2)
+    q = (low | (high << 4)).astype(np.int16) - 32
+    return q.reshape(*blocks.shape[:-1], 256).astype(np.int8), d[..., None] * sc, np.zeros(sc.shape, np.float32), Q8
+
+
+_DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q4_K": _q4_k,
+             "Q5_K": _q5_k, "Q6_K": _q6_k}

@@ -1,0 +1,81 @@
+"""Random but well-formed GGUF blocks of every format the native path unpacks, and a tiny Llama GGUF
+built from them: the ``gguf`` package dequantises every format but quantises only the simple ones,
+so the k-quant tests draw the integer fields at random and set each block's fp16 scales to a
+healthy size (weights of roughly ``scale`` in magnitude)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from specfork.layers.gguf_blocks import BLOCK_BYTES, BLOCK_VALUES
+
+# Byte offsets of each format's fp16 fields, and the size of its integer weight times its scale
+# field (so that d = scale / size gives weights of about ``scale``).
+_FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2),
+                "Q5_K": (0, 2), "Q6_K": (208,)}
+_SIZE = {"Q4_0": 8, "Q4_1": 8, "Q8_0": 128, "Q5_0": 16, "Q5_1": 16, "Q4_K": 8 * 32, "Q5_K": 16 * 32, "Q6_K": 32 * 64}
+
+
+def random_blocks(type_name: str, n: int, k: int, seed: int = 0, scale: float = 0.05) -> np.ndarray:
+    """[n, row_bytes] uint8: n rows of k values in ``type_name``'s blocks."""
+    rng = np.random.default_rng(seed)
+    per_block, block_bytes = BLOCK_VALUES[type_name], BLOCK_BYTES[type_name]
+    raw = rng.integers(0, 256, size=(n, k // per_block, block_bytes), dtype=np.uint8)
+    for start in _FP16_FIELDS[type_name]:
+        # a signed d (Q6_K's scales are signed too); minima of Q4_1/Q5_1 and dmin of k-quants about half as large
+        size = scale / _SIZE[type_name] * (0.5 if start == 2 else 1.0)
+        values = (rng.uniform(0.5, 1.5, size=raw.shape[:-1]) * size * rng.choice([-1.0, 1.0], size=raw.shape[:-1]))
+        raw[..., start : start + 2] = values.astype(np.float16)[..., None].view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+def k_quant_llama_gguf(path: Path, types: dict[str, str], seed: int = 0) -> Path:
+    """A tiny Llama (hidden 256, 2 layers, 4 heads of 64, 2 KV heads, MLP 512, vocabulary 256, tied
+    embeddings) whose matrices are random blocks: ``types`` maps a GGUF tensor name's last part
+    ("attn_q", "ffn_down", "token_embd", ...) to its format; norms are float32 ones."""
+    import gguf
+
+    hidden, inter, layers, heads, kv_heads, vocab = 256, 512, 2, 4, 2, 256
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny-k-quants")
+    writer.add_context_length(512)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(hidden // heads)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(vocab)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    shapes = {"attn_q": (hidden, hidden), "attn_k": (kv_heads * 64, hidden), "attn_v": (kv_heads * 64, hidden),
+              "attn_output": (hidden, hidden), "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden),
+              "ffn_down": (hidden, inter)}
+    rng = np.random.default_rng(seed)
+    counter = 0
+
+    def matrix(name: str, kind: str, shape: tuple[int, int]) -> None:
+        nonlocal counter
+        counter += 1
+        type_name = types[kind]
+        n, k = shape
+        qtype = getattr(gguf.GGMLQuantizationType, type_name)
+        raw = random_blocks(type_name, n, k, seed=seed * 1000 + counter, scale=2.0 / np.sqrt(k))
+        writer.add_tensor(name, raw, raw_dtype=qtype)
+
+    matrix("token_embd.weight", "token_embd", (vocab, hidden))
+    for i in range(layers):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", rng.uniform(0.5, 1.5, hidden).astype(np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", rng.uniform(0.5, 1.5, hidden).astype(np.float32))
+        for kind, shape in shapes.items():
+            matrix(f"blk.{i}.{kind}.weight", kind, shape)
+    writer.add_tensor("output_norm.weight", rng.uniform(0.5, 1.5, hidden).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
