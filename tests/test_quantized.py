@@ -36,10 +36,10 @@ SHAPES = [(576, 576), (100, 64), (33, 96), (1, 32), (1536, 576)]  # N not a mult
 def _activation_rounding_bound(weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
     """[M, N] bound on |native - exact| from rounding the inputs: each input of a row and group is
     rounded to a multiple of s = max|x_group| / 32767 (error <= s / 2) and multiplies the centred
-    integer weight d * (q - c), c = 8 for Q4 and 0 for Q8 (the offset term uses the exact inputs)."""
+    integer weight d * (q - c), c = 8 for Q4, 16 for Q5 and 0 for Q8 (the offset term uses the exact inputs)."""
     m, (n, k), g = x.shape[0], weight.shape, weight.group
     s = x.double().view(m, k // g, g).abs().amax(-1) / 32767
-    centre = 8 if weight.bits == 4 else 0
+    centre = {4: 8, 5: 16, 8: 0}[weight.bits]
     centred = (weight.q.double() - centre).abs().view(n, k // g, g).sum(-1) * weight.scale.double().abs()
     return (s / 2) @ centred.t()
 

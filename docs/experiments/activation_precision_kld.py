@@ -4,7 +4,10 @@ against `--weights fp32` (the same GGUF dequantised to float32, every product in
 eval prompts followed by the fp32 path's own greedy responses (teacher-forced, so every setting
 sees the same text):
 
-    python docs/experiments/activation_precision_kld.py PROMPTS_PER_SET
+    python docs/experiments/activation_precision_kld.py PROMPTS_PER_SET [MODEL]
+
+MODEL (default: the embedded model) may be any GGUF: for k-quant files the native path's error
+includes the fp16 rounding of their combined block scales (src/specfork/layers/gguf_blocks.py).
 
 Prints, per dataset and setting, over every response position: mean and 99th-percentile
 KL(p_fp32 || p_setting) in nats, the share of positions whose top-1 token equals fp32's, and the
@@ -35,9 +38,9 @@ def all_logits(llm: LLM, tokens: list[int], first: int) -> torch.Tensor:
         engine.block_manager.free(seq)
 
 
-def main(num_prompts: int) -> None:
-    reference = LLM(weights="fp32", threads=2)
-    engines = {w: LLM(weights=w, threads=2) for w in SETTINGS}
+def main(num_prompts: int, model: str) -> None:
+    reference = LLM(model, weights="fp32", threads=2)
+    engines = {w: LLM(model, weights=w, threads=2) for w in SETTINGS}
     params = SamplingParams(temperature=0.0, max_tokens=256)
     for dataset in ("humaneval", "sharegpt"):
         prompts = [encode(reference, p) for p in load_prompts(dataset, "eval", num_prompts)]
@@ -62,4 +65,4 @@ def main(num_prompts: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]))
+    main(int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "smollm2-135m")

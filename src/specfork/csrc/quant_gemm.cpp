@@ -60,9 +60,14 @@ constexpr int64_t kMaxGroup = 128;   // largest quantisation group (inputs shari
 // The format of a packed weight: its bits, plus kInt8Inputs when the activations are rounded to
 // int8 rather than int16 (the weights are then packed by input quads, see pack_quantized).
 constexpr int64_t kInt8Inputs = 16;
-enum Format : int64_t { kQ4 = 4, kQ8 = 8, kQ4i8 = kQ4 | kInt8Inputs, kQ8i8 = kQ8 | kInt8Inputs };
+enum Format : int64_t {
+  kQ4 = 4, kQ5 = 5, kQ8 = 8, kQ4i8 = kQ4 | kInt8Inputs, kQ5i8 = kQ5 | kInt8Inputs, kQ8i8 = kQ8 | kInt8Inputs
+};
 
-bool known_format(int64_t format) { return format == kQ4 || format == kQ8 || format == kQ4i8 || format == kQ8i8; }
+bool known_format(int64_t format) {
+  const int64_t bits = format & ~kInt8Inputs;
+  return (format & ~(kInt8Inputs | 15)) == 0 && (bits == kQ4 || bits == kQ5 || bits == kQ8);
+}
 
 template <int FMT>
 constexpr bool int8_inputs() { return (FMT & kInt8Inputs) != 0; }
@@ -70,15 +75,46 @@ constexpr bool int8_inputs() { return (FMT & kInt8Inputs) != 0; }
 template <int FMT>
 constexpr bool q4() { return (FMT & ~kInt8Inputs) == kQ4; }
 
+template <int FMT>
+constexpr bool q5() { return (FMT & ~kInt8Inputs) == kQ5; }
+
+// Q4 and Q5 keep q's low 4 bits as nibbles (unsigned); Q5 adds a plane of its fifth bits.
+template <int FMT>
+constexpr bool nibbles() { return q4<FMT>() || q5<FMT>(); }
+
 // Inputs per unit (a pair of int16 activations, or a quad of int8 ones) and the unit's bytes.
 template <int FMT>
 constexpr int64_t unit_inputs() { return int8_inputs<FMT>() ? 4 : 2; }
 
+// Q5's fifth bits follow the nibbles: 8 bytes a pair unit (bit l of 16-bit word f: lane l of
+// field f), 16 bytes a quad unit (bit b of the first 8 bytes: byte b's low nibble, of the next 8:
+// its high nibble).
 template <int FMT>
-constexpr int64_t unit_bytes() { return int8_inputs<FMT>() ? (q4<FMT>() ? 64 : 128) : (q4<FMT>() ? 32 : 64); }
+constexpr int64_t fifth_bit_bytes() { return q5<FMT>() ? (int8_inputs<FMT>() ? 16 : 8) : 0; }
 
 template <int FMT>
-constexpr int32_t kCentre = q4<FMT>() ? 8 : 0;  // c: the weights' integer zero
+constexpr int64_t unit_bytes() {
+  return (int8_inputs<FMT>() ? (nibbles<FMT>() ? 64 : 128) : (nibbles<FMT>() ? 32 : 64)) + fifth_bit_bytes<FMT>();
+}
+
+// The unit bytes of a runtime format.
+int64_t unit_bytes_of(int64_t format) {
+  switch (format) {
+    case kQ4: return unit_bytes<kQ4>();
+    case kQ5: return unit_bytes<kQ5>();
+    case kQ8: return unit_bytes<kQ8>();
+    case kQ4i8: return unit_bytes<kQ4i8>();
+    case kQ5i8: return unit_bytes<kQ5i8>();
+    default: return unit_bytes<kQ8i8>();
+  }
+}
+
+template <int FMT>
+constexpr int32_t kCentre = q4<FMT>() ? 8 : q5<FMT>() ? 16 : 0;  // c: the weights' integer zero
+
+// The largest group a format's int32 sums allow: with Q4 and Q5's odd fields held as 16 q (see
+// quant_gemm_tiles.inc) a Q5 sum reaches 16 * (16 + 31) * 32767 per input, within 2^31 for 64.
+int64_t max_group(int64_t format) { return (format & ~kInt8Inputs) == kQ5 ? 64 : kMaxGroup; }
 
 // A row's rounded activations.
 template <int FMT>
@@ -95,9 +131,10 @@ inline int32_t input_unit(const A* xq, int64_t i) {
 // q of output 8f + p, input k + e, from an int16-input unit (portable path; lane = 2p + e).
 template <int FMT>
 inline int32_t unit_value(const uint8_t* unit, int f, int lane) {
-  if constexpr (q4<FMT>()) {
+  if constexpr (nibbles<FMT>()) {
     const uint16_t v = static_cast<uint16_t>(unit[2 * lane] | (unit[2 * lane + 1] << 8));
-    return (v >> (4 * f)) & 15;
+    const int32_t fifth = q5<FMT>() ? (unit[32 + 2 * f + lane / 8] >> (lane % 8)) & 1 : 0;
+    return ((v >> (4 * f)) & 15) | (fifth << 4);
   } else {
     return static_cast<int8_t>(unit[(f / 2) * 32 + 2 * lane + (f % 2)]);
   }
@@ -106,7 +143,11 @@ inline int32_t unit_value(const uint8_t* unit, int f, int lane) {
 // q of output j (0..31), input 4 kq + e, from an int8-input unit (portable path).
 template <int FMT>
 inline int32_t quad_value(const uint8_t* unit, int j, int e) {
-  if constexpr (q4<FMT>()) return (unit[4 * (j % 16) + e] >> (4 * (j / 16))) & 15;
+  if constexpr (nibbles<FMT>()) {
+    const int b = 4 * (j % 16) + e;  // the byte holding it (outputs 16..31: high nibbles)
+    const int32_t fifth = q5<FMT>() ? (unit[64 + 8 * (j / 16) + b / 8] >> (b % 8)) & 1 : 0;
+    return ((unit[b] >> (4 * (j / 16))) & 15) | (fifth << 4);
+  }
   else return static_cast<int8_t>(unit[(j / 16) * 64 + 4 * (j % 16) + e]);
 }
 
@@ -212,8 +253,9 @@ void run_isa(int64_t isa, const Gemm& a, int64_t t0, int64_t t1) {
 // fp16, offsets [tiles, K / G, 32] fp16, or [0] when every o' = o + c d is zero).
 std::vector<torch::Tensor> pack_quantized(const torch::Tensor& q, const torch::Tensor& scale, const torch::Tensor& offset,
                                           int64_t format) {
-  TORCH_CHECK(known_format(format), "pack_quantized: format must be 4 or 8, plus 16 for int8 inputs");
-  const bool quads = format & kInt8Inputs, is_q4 = (format & ~kInt8Inputs) == kQ4;
+  TORCH_CHECK(known_format(format), "pack_quantized: format must be 4, 5 or 8, plus 16 for int8 inputs");
+  const int64_t bits = format & ~kInt8Inputs;
+  const bool quads = format & kInt8Inputs, is_nib = bits != kQ8, is_q5 = bits == kQ5;
   TORCH_CHECK(q.device().is_cpu() && q.element_size() == 1, "pack_quantized: q must be a CPU uint8/int8 tensor");
   TORCH_CHECK(q.dim() == 2 && scale.dim() == 2 && scale.size(1) > 0 && q.size(1) % scale.size(1) == 0,
               "pack_quantized: q must be [N, K] and scale [N, K / G]");
@@ -223,6 +265,8 @@ std::vector<torch::Tensor> pack_quantized(const torch::Tensor& q, const torch::T
               per_unit, " inputs");
   const int64_t tiles = (n + kTile - 1) / kTile;
   TORCH_CHECK(scale.size(0) == n && offset.sizes() == scale.sizes(), "pack_quantized: scale and offset must be [N, K / G]");
+  if (is_nib && n > 0 && k > 0)
+    TORCH_CHECK(q.max().item<uint8_t>() <= (is_q5 ? 31 : 15), "pack_quantized: Q", bits, " values must be 0..", is_q5 ? 31 : 15);
   // One pass of plain loops, parallel over tiles (a model's worth of weights packs in well under a
   // second; the same layout built from tensor permutations took seconds).
   const auto qc = q.contiguous();
@@ -231,11 +275,11 @@ std::vector<torch::Tensor> pack_quantized(const torch::Tensor& q, const torch::T
   const auto sh = sc.to(torch::kHalf), oh = oc.to(torch::kHalf);
   TORCH_CHECK(torch::equal(sh.to(torch::kFloat32), sc) && torch::equal(oh.to(torch::kFloat32), oc),
               "pack_quantized: scales and offsets must be fp16 values (GGUF's are; quantize_int4 rounds to them)");
-  // o' = o + c d (c = 8 for Q4, 0 for Q8) in fp32, as the kernel forms it: no offsets when all are zero.
-  const bool offsets = !torch::equal(is_q4 ? oc + 8.0f * sc : oc, torch::zeros_like(oc));
+  // o' = o + c d (c = 8 for Q4, 16 for Q5, 0 for Q8) in fp32, as the kernel forms it: no offsets when all are zero.
+  const float centre = bits == kQ4 ? 8.0f : bits == kQ5 ? 16.0f : 0.0f;
+  const bool offsets = !torch::equal(oc + centre * sc, torch::zeros_like(oc));
   const uint8_t* qv = reinterpret_cast<const uint8_t*>(qc.data_ptr());  // Q4: 0..15, Q8: int8 bits
-  const int64_t ub = quads ? (is_q4 ? unit_bytes<kQ4i8>() : unit_bytes<kQ8i8>())
-                           : (is_q4 ? unit_bytes<kQ4>() : unit_bytes<kQ8>());
+  const int64_t ub = unit_bytes_of(format);
   auto units = torch::zeros({tiles, k / per_unit, ub}, torch::kUInt8);
   auto s = torch::zeros({tiles, groups, kTile}, torch::kHalf);
   auto o = offsets ? torch::zeros({tiles, groups, kTile}, torch::kHalf) : torch::zeros({0}, torch::kHalf);
@@ -266,8 +310,14 @@ std::vector<torch::Tensor> pack_quantized(const torch::Tensor& q, const torch::T
           uint8_t* unit = tile_units + kq * ub;
           for (int64_t i = 0; i < 16; ++i)
             for (int64_t e = 0; e < 4; ++e) {
-              if (is_q4) {
-                unit[4 * i + e] = static_cast<uint8_t>(value(0, i, 4 * kq + e) | (value(2, i, 4 * kq + e) << 4));
+              if (is_nib) {
+                const uint8_t low = value(0, i, 4 * kq + e), high = value(2, i, 4 * kq + e);
+                const int64_t b = 4 * i + e;
+                unit[b] = static_cast<uint8_t>((low & 15) | ((high & 15) << 4));
+                if (is_q5) {  // fifth bits: the low nibbles' in bytes 64..71, the high nibbles' in 72..79
+                  unit[64 + b / 8] |= static_cast<uint8_t>((low >> 4) << (b % 8));
+                  unit[72 + b / 8] |= static_cast<uint8_t>((high >> 4) << (b % 8));
+                }
               } else {  // Q8: outputs 0..15 in the first 64 bytes, 16..31 in the next
                 unit[4 * i + e] = value(0, i, 4 * kq + e);
                 unit[64 + 4 * i + e] = value(2, i, 4 * kq + e);
@@ -281,9 +331,12 @@ std::vector<torch::Tensor> pack_quantized(const torch::Tensor& q, const torch::T
         for (int64_t p = 0; p < 8; ++p) {
           for (int64_t e = 0; e < 2; ++e) {
             const int64_t lane = 2 * p + e, i = 2 * kp + e;
-            if (is_q4) {  // little-endian 16-bit lane: nibbles f = 0, 1 in the low byte, 2, 3 in the high
-              unit[2 * lane] = static_cast<uint8_t>(value(0, p, i) | (value(1, p, i) << 4));
-              unit[2 * lane + 1] = static_cast<uint8_t>(value(2, p, i) | (value(3, p, i) << 4));
+            if (is_nib) {  // little-endian 16-bit lane: nibbles f = 0, 1 in the low byte, 2, 3 in the high
+              unit[2 * lane] = static_cast<uint8_t>((value(0, p, i) & 15) | ((value(1, p, i) & 15) << 4));
+              unit[2 * lane + 1] = static_cast<uint8_t>((value(2, p, i) & 15) | ((value(3, p, i) & 15) << 4));
+              if (is_q5)  // fifth bits: bit lane of the 16-bit word of field f at byte 32 + 2 f
+                for (int64_t f = 0; f < 4; ++f)
+                  unit[32 + 2 * f + lane / 8] |= static_cast<uint8_t>((value(f, p, i) >> 4) << (lane % 8));
             } else {  // field f at byte (f / 2) * 32 + 2 lane + f % 2
               for (int64_t f = 0; f < 4; ++f) unit[(f / 2) * 32 + 2 * lane + (f % 2)] = value(f, p, i);
             }
@@ -338,11 +391,10 @@ namespace parts {
 
 QuantWeight quant_weight(const torch::Tensor& units, const torch::Tensor& scales, const torch::Tensor& offsets,
                          int64_t n_out, int64_t format, const torch::Tensor* bias) {
-  TORCH_CHECK(known_format(format), "quant_linear: format must be 4 or 8, plus 16 for int8 inputs");
-  const bool quads = format & kInt8Inputs, is_q4 = (format & ~kInt8Inputs) == kQ4;
+  TORCH_CHECK(known_format(format), "quant_linear: format must be 4, 5 or 8, plus 16 for int8 inputs");
+  const bool quads = format & kInt8Inputs;
   const int64_t per_unit = quads ? 4 : 2;
-  const int64_t bytes = quads ? (is_q4 ? unit_bytes<kQ4i8>() : unit_bytes<kQ8i8>())
-                              : (is_q4 ? unit_bytes<kQ4>() : unit_bytes<kQ8>());
+  const int64_t bytes = unit_bytes_of(format);
   TORCH_CHECK(units.dim() == 3 && units.size(2) == bytes && units.is_contiguous() && units.scalar_type() == torch::kUInt8,
               "quant_linear: packed weight is ", units.sizes());
   const int64_t K = units.size(1) * per_unit, tiles = units.size(0);
@@ -352,7 +404,7 @@ QuantWeight quant_weight(const torch::Tensor& units, const torch::Tensor& scales
               "quant_linear: bad scales");
   TORCH_CHECK(n_out <= tiles * kTile, "quant_linear: n_out too large");
   const int64_t groups = scales.size(1), group = K / groups;
-  TORCH_CHECK(group % per_unit == 0 && group <= kMaxGroup, "quant_linear: groups of ", group,
+  TORCH_CHECK(group % per_unit == 0 && group <= max_group(format), "quant_linear: groups of ", group,
               " inputs are not supported");
   const float* bp = nullptr;
   if (bias != nullptr) {

@@ -4,10 +4,11 @@ d and offset o, w = q * d + o), the form the native kernel runs.
 Every format GGUF's Llama files commonly use maps onto it:
 
 * ``Q4_0``, ``Q4_1``, ``Q8_0`` (blocks of 32, one fp16 d and m): exactly, 4- or 8-bit q.
-* ``Q5_0``, ``Q5_1``: exactly, as 8-bit q (q - 16, or q) in groups of 32.
+* ``Q5_0``, ``Q5_1``: exactly, 5-bit q in groups of 32 (Q5_0's o = -16 d).
 * k-quants (super-blocks of 256 with sub-block scales): ``Q4_K`` as 4-bit q in groups of 32 with
-  d = d_super * sc and o = -dmin * m; ``Q5_K`` the same with 8-bit q; ``Q6_K`` as 8-bit q - 32 in
-  groups of 16 with d = d_super * sc. The kernel stores each group's d and o in fp16 as GGUF does
+  d = d_super * sc and o = -dmin * m; ``Q5_K`` the same with 5-bit q; ``Q6_K`` as 8-bit q - 32 in
+  groups of 16 with d = d_super * sc (the kernel has no 6-bit form: 9 bits a weight where the file
+  has 6.6). The kernel stores each group's d and o in fp16 as GGUF does
   for the simple formats, so these products of an fp16 and a 6- or 8-bit integer are rounded to
   fp16: each weight moves by at most 2^-11 of its group's |d q| + |o|, against a quantisation step
   of d. :func:`decode_blocks` gives the exact float32 d and o for tests and measurements.
@@ -20,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specfork.layers.quantized import Q4, Q8, QuantizedWeight
+from specfork.layers.quantized import Q4, Q5, Q8, QuantizedWeight
 
 # Bytes per block and values per block of each format unpacked here.
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
@@ -41,7 +42,7 @@ def from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) ->
 
 
 def decode_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]):
-    """(q [N, K] uint8 for 4-bit / int8 for 8-bit, d [N, K / G] float32, o [N, K / G] float32, bits):
+    """(q [N, K] uint8 for 4- and 5-bit / int8 for 8-bit, d [N, K / G] float32, o [N, K / G] float32, bits):
     w = q * d + o exactly as GGUF's dequantiser computes it."""
     if type_name not in BLOCK_BYTES:
         raise ValueError(f"no native form for GGUF {type_name} (native: {', '.join(NATIVE_FORMATS)})")
@@ -90,13 +91,12 @@ def _fifth_bits(qh: np.ndarray) -> np.ndarray:
 
 
 def _q5_0(blocks):
-    q = _nibbles(blocks[..., 6:]) | _fifth_bits(blocks[..., 2:6])
-    return (q.astype(np.int16) - 16).astype(np.int8), _half(blocks, 0), np.zeros(blocks.shape[:-1], np.float32), Q8
+    d = _half(blocks, 0)
+    return _nibbles(blocks[..., 6:]) | _fifth_bits(blocks[..., 2:6]), d, -16.0 * d, Q5
 
 
 def _q5_1(blocks):
-    q = _nibbles(blocks[..., 8:]) | _fifth_bits(blocks[..., 4:8])
-    return q.astype(np.int8), _half(blocks, 0), _half(blocks, 2), Q8
+    return _nibbles(blocks[..., 8:]) | _fifth_bits(blocks[..., 4:8]), _half(blocks, 0), _half(blocks, 2), Q5
 
 
 def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -132,7 +132,7 @@ def _q5_k(blocks):
     high = ((qh[..., None, :] >> shift[:, None]) & 1) << 4  # [..., 8 sub-blocks, 32]
     low = np.stack([qs & 15, qs >> 4], axis=-2).reshape(*blocks.shape[:-1], 8, 32)
     d, o = _k_groups(blocks, sc, m)
-    return (low | high).reshape(*blocks.shape[:-1], 256).astype(np.int8), d, o, Q8
+    return (low | high).reshape(*blocks.shape[:-1], 256), d, o, Q5
 
 
 def _q6_k(blocks):
