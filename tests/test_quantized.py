@@ -36,10 +36,11 @@ SHAPES = [(576, 576), (100, 64), (33, 96), (1, 32), (1536, 576)]  # N not a mult
 def _activation_rounding_bound(weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
     """[M, N] bound on |native - exact| from rounding the inputs: each input of a row and group is
     rounded to a multiple of s = max|x_group| / 32767 (error <= s / 2) and multiplies the centred
-    integer weight d * (q - c), c = 8 for Q4, 16 for Q5 and 0 for Q8 (the offset term uses the exact inputs)."""
+    integer weight d * (q - c), c = 8 for Q4, 16 for Q5, 32 for Q6 and 0 for Q8 (the offset term uses the
+    exact inputs)."""
     m, (n, k), g = x.shape[0], weight.shape, weight.group
     s = x.double().view(m, k // g, g).abs().amax(-1) / 32767
-    centre = {4: 8, 5: 16, 8: 0}[weight.bits]
+    centre = {4: 8, 5: 16, 6: 32, 8: 0}[weight.bits]
     centred = (weight.q.double() - centre).abs().view(n, k // g, g).sum(-1) * weight.scale.double().abs()
     return (s / 2) @ centred.t()
 
@@ -73,14 +74,17 @@ def test_unpacked_blocks_dequantize_as_gguf(type_name, shape):
     raw, reference = _gguf_weight(type_name, *shape, seed=shape[0])
     q, d, o, bits = decode_blocks(raw, type_name, shape)
     exact = QuantizedWeight(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(o), bits, "exact")
-    assert torch.equal(exact.dequantize(), reference)
+    g = exact.group
+    terms = np.abs(q.astype(np.float64)) * np.repeat(np.abs(d), g, axis=1) + np.repeat(np.abs(o), g, axis=1)
+    if type_name == "Q6_K":  # q d + o (q up to 63, d an fp16 times an int8) may round where gguf's d (q - 32) does not
+        assert ((exact.dequantize().double() - reference.double()).abs().numpy() <= 2.0**-23 * terms).all()
+    else:
+        assert torch.equal(exact.dequantize(), reference)
     weight = from_gguf_blocks(raw, type_name, shape)
     assert weight.bits == bits and weight.group == (16 if type_name == "Q6_K" else 32)
     if type_name not in K_QUANTS:
         assert torch.equal(weight.dequantize(), reference)
         return
-    g = weight.group
-    terms = np.abs(q.astype(np.float64)) * np.repeat(np.abs(d), g, axis=1) + np.repeat(np.abs(o), g, axis=1)
     moved = (weight.dequantize().double() - reference.double()).abs().numpy()
     assert (moved <= (2.0**-11 + 2.0**-22) * terms + 1e-12).all()  # fp16 rounding, plus float32's of w
     assert moved.max() > 0  # the rounding is real here: the bound above is what tests it
@@ -210,11 +214,14 @@ def test_concatenation_keeps_weights_quantized():
 @needs_kernel
 def test_concatenating_different_formats_keeps_them_quantized_and_exact():
     """A fused projection of a Q4_K query and key and a Q6_K value (a Q4_K_M file's layer) is one
-    8-bit weight in groups of 16, holding every part's weights exactly, and runs native."""
+    6-bit weight in groups of 16, holding every part's weights exactly, and runs native; with a
+    Q8_0 part, one 8-bit weight."""
     parts = [from_gguf_blocks(_gguf_weight(t, n, 256, seed=n)[0], t, (n, 256))
              for t, n in (("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 32))]
+    with_q8 = torch.cat([parts[0], from_gguf_blocks(_gguf_weight("Q8_0", 32, 256)[0], "Q8_0", (32, 256)), parts[2]])
+    assert (with_q8.bits, with_q8.group, with_q8.q.dtype) == (8, 16, torch.int8)
     fused = torch.cat(parts)
-    assert isinstance(fused, QuantizedWeight) and (fused.bits, fused.group, fused.shape) == (8, 16, (128, 256))
+    assert isinstance(fused, QuantizedWeight) and (fused.bits, fused.group, fused.shape) == (6, 16, (128, 256))
     assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
     layer = make_linear(fused)
     assert isinstance(layer, QuantizedLinear)

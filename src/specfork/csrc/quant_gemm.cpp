@@ -1,10 +1,12 @@
-// Small-M GEMM on GGUF block-quantized weights (Q4_0, Q4_1, Q8_0), for CPU decode and verification:
+// Small-M GEMM on GGUF block-quantized weights (4-, 5-, 6- and 8-bit values: Q4_0, Q4_1, Q5_0, Q5_1,
+// Q8_0 and the k-quants as layers/gguf_blocks.py unpacks them), for CPU decode and verification:
 // y[M, N] = x[M, K] @ W^T (+ bias), W never materialised in fp32.
 //
 // GGUF stores each output row in blocks of 32 inputs: Q4_0 w = d * (q - 8), Q4_1 w = d * q + m
-// (q in 0..15), Q8_0 w = d * q (q in -128..127), with one fp16 d (and m) per block. Within a group of
-// inputs sharing d and o, write w = d * (q - c) + o' with c = 8 for Q4 (o' = o + 8d: 0 for Q4_0) and
-// c = 0 for Q8 (o' = 0); then
+// (q in 0..15), Q5_0 / Q5_1 the same with q in 0..31, Q8_0 w = d * q (q in -128..127), with one fp16 d
+// (and m) per block (Q6_K's 6-bit values in groups of 16 come as Q6, q in 0..63). Within a group of
+// inputs sharing d and o, write w = d * (q - c) + o' with c = 8 for Q4 (o' = o + 8d: 0 for Q4_0), 16
+// for Q5, 32 for Q6 and c = 0 for Q8 (o' = 0); then
 //   sum_k x_k w_k = d * sum_k x_k (q_k - c) + o' * sum_k x_k,
 // so the inner loop only needs the integer q. The activations of each row and group are rounded to
 // int16 (x ~ s * xq, s = max|x| / 32767, relative error <= 2^-16 of the group's largest input; llama.cpp
@@ -31,7 +33,10 @@
 // widens them and forms o' = o + c d in fp32 once per group, and a weight whose every o' is zero
 // (Q4_0, Q8_0) has no offsets at all. For int8 activations a unit holds a quad of inputs
 // (k .. k + 3): byte 4i + e is input k + e of output i (Q4: low nibble; high nibble: output 16 + i;
-// Q8: outputs 16..31 in a second 64 bytes), so a 512-bit register is 16 outputs x 4 inputs.
+// Q8: outputs 16..31 in a second 64 bytes), so a 512-bit register is 16 outputs x 4 inputs. Q5 and
+// Q6 are Q4's unit followed by one or two planes of the values' higher bits (plane_bytes), which
+// the unpacking adds under a mask: 40 or 48 bytes per 64 weights (5 or 6 bits) where the same
+// values as Q8 took 64.
 //
 // Integer sums are exact, and the float epilogue runs in the same order for every row, so a row's
 // result never depends on how many other rows share the call (batch-invariant by construction), and
@@ -61,12 +66,13 @@ constexpr int64_t kMaxGroup = 128;   // largest quantisation group (inputs shari
 // int8 rather than int16 (the weights are then packed by input quads, see pack_quantized).
 constexpr int64_t kInt8Inputs = 16;
 enum Format : int64_t {
-  kQ4 = 4, kQ5 = 5, kQ8 = 8, kQ4i8 = kQ4 | kInt8Inputs, kQ5i8 = kQ5 | kInt8Inputs, kQ8i8 = kQ8 | kInt8Inputs
+  kQ4 = 4, kQ5 = 5, kQ6 = 6, kQ8 = 8,
+  kQ4i8 = kQ4 | kInt8Inputs, kQ5i8 = kQ5 | kInt8Inputs, kQ6i8 = kQ6 | kInt8Inputs, kQ8i8 = kQ8 | kInt8Inputs
 };
 
 bool known_format(int64_t format) {
   const int64_t bits = format & ~kInt8Inputs;
-  return (format & ~(kInt8Inputs | 15)) == 0 && (bits == kQ4 || bits == kQ5 || bits == kQ8);
+  return (format & ~(kInt8Inputs | 15)) == 0 && (bits == kQ4 || bits == kQ5 || bits == kQ6 || bits == kQ8);
 }
 
 template <int FMT>
@@ -75,26 +81,30 @@ constexpr bool int8_inputs() { return (FMT & kInt8Inputs) != 0; }
 template <int FMT>
 constexpr bool q4() { return (FMT & ~kInt8Inputs) == kQ4; }
 
+// Q4, Q5 and Q6 keep q's low 4 bits as nibbles (unsigned); Q5 adds a plane of its fifth bits, Q6
+// a plane of its fifth and one of its sixth.
 template <int FMT>
-constexpr bool q5() { return (FMT & ~kInt8Inputs) == kQ5; }
+constexpr int planes() { return (FMT & ~kInt8Inputs) == kQ8 ? 0 : static_cast<int>(FMT & ~kInt8Inputs) - 4; }
 
-// Q4 and Q5 keep q's low 4 bits as nibbles (unsigned); Q5 adds a plane of its fifth bits.
 template <int FMT>
-constexpr bool nibbles() { return q4<FMT>() || q5<FMT>(); }
+constexpr bool nibbles() { return (FMT & ~kInt8Inputs) != kQ8; }
 
 // Inputs per unit (a pair of int16 activations, or a quad of int8 ones) and the unit's bytes.
 template <int FMT>
 constexpr int64_t unit_inputs() { return int8_inputs<FMT>() ? 4 : 2; }
 
-// Q5's fifth bits follow the nibbles: 8 bytes a pair unit (bit l of 16-bit word f: lane l of
-// field f), 16 bytes a quad unit (bit b of the first 8 bytes: byte b's low nibble, of the next 8:
-// its high nibble).
+// Each plane of high bits follows the nibbles (bit 4 first, then bit 5): 8 bytes a pair unit (bit l
+// of 16-bit word f: lane l of field f), 16 bytes a quad unit (bit b of its first 8 bytes: byte b's
+// low nibble, of the next 8: its high nibble).
 template <int FMT>
-constexpr int64_t fifth_bit_bytes() { return q5<FMT>() ? (int8_inputs<FMT>() ? 16 : 8) : 0; }
+constexpr int64_t plane_bytes() { return int8_inputs<FMT>() ? 16 : 8; }
+
+template <int FMT>
+constexpr int64_t nibble_bytes() { return int8_inputs<FMT>() ? 64 : 32; }
 
 template <int FMT>
 constexpr int64_t unit_bytes() {
-  return (int8_inputs<FMT>() ? (nibbles<FMT>() ? 64 : 128) : (nibbles<FMT>() ? 32 : 64)) + fifth_bit_bytes<FMT>();
+  return nibbles<FMT>() ? nibble_bytes<FMT>() + planes<FMT>() * plane_bytes<FMT>() : (int8_inputs<FMT>() ? 128 : 64);
 }
 
 // The unit bytes of a runtime format.
@@ -102,19 +112,25 @@ int64_t unit_bytes_of(int64_t format) {
   switch (format) {
     case kQ4: return unit_bytes<kQ4>();
     case kQ5: return unit_bytes<kQ5>();
+    case kQ6: return unit_bytes<kQ6>();
     case kQ8: return unit_bytes<kQ8>();
     case kQ4i8: return unit_bytes<kQ4i8>();
     case kQ5i8: return unit_bytes<kQ5i8>();
+    case kQ6i8: return unit_bytes<kQ6i8>();
     default: return unit_bytes<kQ8i8>();
   }
 }
 
 template <int FMT>
-constexpr int32_t kCentre = q4<FMT>() ? 8 : q5<FMT>() ? 16 : 0;  // c: the weights' integer zero
+constexpr int32_t kCentre = nibbles<FMT>() ? 1 << (planes<FMT>() + 3) : 0;  // c: the weights' integer zero (8, 16, 32)
 
-// The largest group a format's int32 sums allow: with Q4 and Q5's odd fields held as 16 q (see
-// quant_gemm_tiles.inc) a Q5 sum reaches 16 * (16 + 31) * 32767 per input, within 2^31 for 64.
-int64_t max_group(int64_t format) { return (format & ~kInt8Inputs) == kQ5 ? 64 : kMaxGroup; }
+// The largest group a format's int32 sums allow: with the nibble formats' odd fields held as 16 q
+// (see quant_gemm_tiles.inc) a sum reaches 16 * (c + q_max) * 32767 per input: within 2^31 for 128
+// inputs of Q4, 64 of Q5, 32 of Q6.
+int64_t max_group(int64_t format) {
+  const int64_t bits = format & ~kInt8Inputs;
+  return bits == kQ5 ? 64 : bits == kQ6 ? 32 : kMaxGroup;
+}
 
 // A row's rounded activations.
 template <int FMT>
@@ -133,8 +149,9 @@ template <int FMT>
 inline int32_t unit_value(const uint8_t* unit, int f, int lane) {
   if constexpr (nibbles<FMT>()) {
     const uint16_t v = static_cast<uint16_t>(unit[2 * lane] | (unit[2 * lane + 1] << 8));
-    const int32_t fifth = q5<FMT>() ? (unit[32 + 2 * f + lane / 8] >> (lane % 8)) & 1 : 0;
-    return ((v >> (4 * f)) & 15) | (fifth << 4);
+    int32_t q = (v >> (4 * f)) & 15;
+    for (int p = 0; p < planes<FMT>(); ++p) q |= ((unit[32 + 8 * p + 2 * f + lane / 8] >> (lane % 8)) & 1) << (4 + p);
+    return q;
   } else {
     return static_cast<int8_t>(unit[(f / 2) * 32 + 2 * lane + (f % 2)]);
   }
@@ -145,8 +162,9 @@ template <int FMT>
 inline int32_t quad_value(const uint8_t* unit, int j, int e) {
   if constexpr (nibbles<FMT>()) {
     const int b = 4 * (j % 16) + e;  // the byte holding it (outputs 16..31: high nibbles)
-    const int32_t fifth = q5<FMT>() ? (unit[64 + 8 * (j / 16) + b / 8] >> (b % 8)) & 1 : 0;
-    return ((unit[b] >> (4 * (j / 16))) & 15) | (fifth << 4);
+    int32_t q = (unit[b] >> (4 * (j / 16))) & 15;
+    for (int p = 0; p < planes<FMT>(); ++p) q |= ((unit[64 + 16 * p + 8 * (j / 16) + b / 8] >> (b % 8)) & 1) << (4 + p);
+    return q;
   }
   else return static_cast<int8_t>(unit[(j / 16) * 64 + 4 * (j % 16) + e]);
 }
@@ -253,9 +271,10 @@ void run_isa(int64_t isa, const Gemm& a, int64_t t0, int64_t t1) {
 // fp16, offsets [tiles, K / G, 32] fp16, or [0] when every o' = o + c d is zero).
 std::vector<torch::Tensor> pack_quantized(const torch::Tensor& q, const torch::Tensor& scale, const torch::Tensor& offset,
                                           int64_t format) {
-  TORCH_CHECK(known_format(format), "pack_quantized: format must be 4, 5 or 8, plus 16 for int8 inputs");
+  TORCH_CHECK(known_format(format), "pack_quantized: format must be 4, 5, 6 or 8, plus 16 for int8 inputs");
   const int64_t bits = format & ~kInt8Inputs;
-  const bool quads = format & kInt8Inputs, is_nib = bits != kQ8, is_q5 = bits == kQ5;
+  const bool quads = format & kInt8Inputs, is_nib = bits != kQ8;
+  const int64_t planes = is_nib ? bits - 4 : 0, top = (1 << (is_nib ? bits : 8)) - 1;
   TORCH_CHECK(q.device().is_cpu() && q.element_size() == 1, "pack_quantized: q must be a CPU uint8/int8 tensor");
   TORCH_CHECK(q.dim() == 2 && scale.dim() == 2 && scale.size(1) > 0 && q.size(1) % scale.size(1) == 0,
               "pack_quantized: q must be [N, K] and scale [N, K / G]");
@@ -266,7 +285,7 @@ std::vector<torch::Tensor> pack_quantized(const torch::Tensor& q, const torch::T
   const int64_t tiles = (n + kTile - 1) / kTile;
   TORCH_CHECK(scale.size(0) == n && offset.sizes() == scale.sizes(), "pack_quantized: scale and offset must be [N, K / G]");
   if (is_nib && n > 0 && k > 0)
-    TORCH_CHECK(q.max().item<uint8_t>() <= (is_q5 ? 31 : 15), "pack_quantized: Q", bits, " values must be 0..", is_q5 ? 31 : 15);
+    TORCH_CHECK(q.max().item<uint8_t>() <= top, "pack_quantized: Q", bits, " values must be 0..", top);
   // One pass of plain loops, parallel over tiles (a model's worth of weights packs in well under a
   // second; the same layout built from tensor permutations took seconds).
   const auto qc = q.contiguous();
@@ -275,8 +294,8 @@ std::vector<torch::Tensor> pack_quantized(const torch::Tensor& q, const torch::T
   const auto sh = sc.to(torch::kHalf), oh = oc.to(torch::kHalf);
   TORCH_CHECK(torch::equal(sh.to(torch::kFloat32), sc) && torch::equal(oh.to(torch::kFloat32), oc),
               "pack_quantized: scales and offsets must be fp16 values (GGUF's are; quantize_int4 rounds to them)");
-  // o' = o + c d (c = 8 for Q4, 16 for Q5, 0 for Q8) in fp32, as the kernel forms it: no offsets when all are zero.
-  const float centre = bits == kQ4 ? 8.0f : bits == kQ5 ? 16.0f : 0.0f;
+  // o' = o + c d (c = 8 for Q4, 16 for Q5, 32 for Q6, 0 for Q8) in fp32, as the kernel forms it: no offsets when all are zero.
+  const float centre = is_nib ? static_cast<float>(1 << (bits - 1)) : 0.0f;
   const bool offsets = !torch::equal(oc + centre * sc, torch::zeros_like(oc));
   const uint8_t* qv = reinterpret_cast<const uint8_t*>(qc.data_ptr());  // Q4: 0..15, Q8: int8 bits
   const int64_t ub = unit_bytes_of(format);
@@ -314,9 +333,9 @@ std::vector<torch::Tensor> pack_quantized(const torch::Tensor& q, const torch::T
                 const uint8_t low = value(0, i, 4 * kq + e), high = value(2, i, 4 * kq + e);
                 const int64_t b = 4 * i + e;
                 unit[b] = static_cast<uint8_t>((low & 15) | ((high & 15) << 4));
-                if (is_q5) {  // fifth bits: the low nibbles' in bytes 64..71, the high nibbles' in 72..79
-                  unit[64 + b / 8] |= static_cast<uint8_t>((low >> 4) << (b % 8));
-                  unit[72 + b / 8] |= static_cast<uint8_t>((high >> 4) << (b % 8));
+                for (int64_t pl = 0; pl < planes; ++pl) {  // plane pl: the low nibbles' bits, then the high nibbles'
+                  unit[64 + 16 * pl + b / 8] |= static_cast<uint8_t>(((low >> (4 + pl)) & 1) << (b % 8));
+                  unit[72 + 16 * pl + b / 8] |= static_cast<uint8_t>(((high >> (4 + pl)) & 1) << (b % 8));
                 }
               } else {  // Q8: outputs 0..15 in the first 64 bytes, 16..31 in the next
                 unit[4 * i + e] = value(0, i, 4 * kq + e);
@@ -334,9 +353,9 @@ std::vector<torch::Tensor> pack_quantized(const torch::Tensor& q, const torch::T
             if (is_nib) {  // little-endian 16-bit lane: nibbles f = 0, 1 in the low byte, 2, 3 in the high
               unit[2 * lane] = static_cast<uint8_t>((value(0, p, i) & 15) | ((value(1, p, i) & 15) << 4));
               unit[2 * lane + 1] = static_cast<uint8_t>((value(2, p, i) & 15) | ((value(3, p, i) & 15) << 4));
-              if (is_q5)  // fifth bits: bit lane of the 16-bit word of field f at byte 32 + 2 f
+              for (int64_t pl = 0; pl < planes; ++pl)  // plane pl: bit lane of field f's 16-bit word at 32 + 8 pl + 2 f
                 for (int64_t f = 0; f < 4; ++f)
-                  unit[32 + 2 * f + lane / 8] |= static_cast<uint8_t>((value(f, p, i) >> 4) << (lane % 8));
+                  unit[32 + 8 * pl + 2 * f + lane / 8] |= static_cast<uint8_t>(((value(f, p, i) >> (4 + pl)) & 1) << (lane % 8));
             } else {  // field f at byte (f / 2) * 32 + 2 lane + f % 2
               for (int64_t f = 0; f < 4; ++f) unit[(f / 2) * 32 + 2 * lane + (f % 2)] = value(f, p, i);
             }
@@ -391,7 +410,7 @@ namespace parts {
 
 QuantWeight quant_weight(const torch::Tensor& units, const torch::Tensor& scales, const torch::Tensor& offsets,
                          int64_t n_out, int64_t format, const torch::Tensor* bias) {
-  TORCH_CHECK(known_format(format), "quant_linear: format must be 4, 5 or 8, plus 16 for int8 inputs");
+  TORCH_CHECK(known_format(format), "quant_linear: format must be 4, 5, 6 or 8, plus 16 for int8 inputs");
   const bool quads = format & kInt8Inputs;
   const int64_t per_unit = quads ? 4 : 2;
   const int64_t bytes = unit_bytes_of(format);

@@ -6,9 +6,8 @@ Every format GGUF's Llama files commonly use maps onto it:
 * ``Q4_0``, ``Q4_1``, ``Q8_0`` (blocks of 32, one fp16 d and m): exactly, 4- or 8-bit q.
 * ``Q5_0``, ``Q5_1``: exactly, 5-bit q in groups of 32 (Q5_0's o = -16 d).
 * k-quants (super-blocks of 256 with sub-block scales): ``Q4_K`` as 4-bit q in groups of 32 with
-  d = d_super * sc and o = -dmin * m; ``Q5_K`` the same with 5-bit q; ``Q6_K`` as 8-bit q - 32 in
-  groups of 16 with d = d_super * sc (the kernel has no 6-bit form: 9 bits a weight where the file
-  has 6.6). The kernel stores each group's d and o in fp16 as GGUF does
+  d = d_super * sc and o = -dmin * m; ``Q5_K`` the same with 5-bit q; ``Q6_K`` as 6-bit q in groups
+  of 16 with d = d_super * sc and o = -32 d. The kernel stores each group's d and o in fp16 as GGUF does
   for the simple formats, so these products of an fp16 and a 6- or 8-bit integer are rounded to
   fp16: each weight moves by at most 2^-11 of its group's |d q| + |o|, against a quantisation step
   of d. :func:`decode_blocks` gives the exact float32 d and o for tests and measurements.
@@ -21,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specfork.layers.quantized import Q4, Q5, Q8, QuantizedWeight
+from specfork.layers.quantized import Q4, Q5, Q6, Q8, QuantizedWeight
 
 # Bytes per block and values per block of each format unpacked here.
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
@@ -144,8 +143,8 @@ def _q6_k(blocks):
     # run 1 (bits 2-3), 64..95 high nibbles of run 0 (bits 4-5), 96..127 high nibbles of run 1 (bits 6-7).
     low = np.stack([ql[..., 0, :] & 15, ql[..., 1, :] & 15, ql[..., 0, :] >> 4, ql[..., 1, :] >> 4], axis=-2)
     high = np.stack([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=-2)
-    q = (low | (high << 4)).astype(np.int16) - 32
-    return q.reshape(*blocks.shape[:-1], 256).astype(np.int8), d[..., None] * sc, np.zeros(sc.shape, np.float32), Q8
+    d_groups = d[..., None] * sc
+    return (low | (high << 4)).reshape(*blocks.shape[:-1], 256), d_groups, -32.0 * d_groups, Q6
 
 
 _DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q4_K": _q4_k,

@@ -20,19 +20,19 @@ from torch import nn
 
 from specfork.native_kernels import kernels as native_kernels
 
-Q4, Q5, Q8 = 4, 5, 8
+Q4, Q5, Q6, Q8 = 4, 5, 6, 8
 INPUT_BITS = (16, 8)  # how finely the native kernel rounds activations (csrc/quant_gemm.cpp)
 INT8_INPUTS = 16  # the kernel's format flag for int8 activations
 MAX_GROUP = 128  # the native kernel's limit (csrc/quant_gemm.cpp, kMaxGroup)
-MAX_Q5_GROUP = 64  # and its limit for 5-bit values (max_group there: their int32 sums)
+MAX_GROUP_OF_BITS = {5: 64, 6: 32}  # and its limits for 5- and 6-bit values (max_group there: their int32 sums)
 
 
 @dataclass
 class QuantizedWeight:
-    q: torch.Tensor  # [N, K] uint8 (Q4: 0..15, Q5: 0..31) or int8 (Q8)
+    q: torch.Tensor  # [N, K] uint8 (Q4: 0..15, Q5: 0..31, Q6: 0..63) or int8 (Q8)
     scale: torch.Tensor  # [N, K / group] float32 holding fp16 values (GGUF's; quantize_int4 rounds to them)
     offset: torch.Tensor  # [N, K / group] float32 holding fp16 values
-    bits: int  # 4, 5 or 8
+    bits: int  # 4, 5, 6 or 8
     source: str  # "q4_0", "q4_1", "q8_0", "int4" (quantised at load)
     input_bits: int = 16  # the native kernel rounds each group of activations to int16, or int8 (INPUT_BITS)
 
@@ -93,8 +93,8 @@ def dense(weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
 
 
 def _common_form(parts: list[QuantizedWeight]) -> list[QuantizedWeight] | None:
-    """The same weights in one form, exactly: the most bits any part has (4-bit q 0..15 are 5- and
-    8-bit values too, and 5-bit ones 8-bit values, with the same d and o) and the smallest group (a group's d and o repeated
+    """The same weights in one form, exactly: the most bits any part has (4-bit q 0..15 are 5-, 6-
+    and 8-bit values too, and so on, with the same d and o) and the smallest group (a group's d and o repeated
     over its smaller groups), so that a fused projection of differently quantised parts (a GGUF
     Q4_K_M file's Q4_K query and key with a Q6_K value) stays quantised rather than turning dense.
     None where no such form exists (activations rounded differently, groups that do not divide)."""
@@ -165,7 +165,7 @@ def quantized_linear(weight: QuantizedWeight, bias: torch.Tensor | None) -> nn.M
         return None
     if bias is not None and bias.dtype != torch.float32:
         return None
-    if weight.group % 2 or weight.group > (MAX_Q5_GROUP if weight.bits == Q5 else MAX_GROUP):
+    if weight.group % 2 or weight.group > MAX_GROUP_OF_BITS.get(weight.bits, MAX_GROUP):
         return None
     if weight.input_bits == 8 and weight.group % 4:  # int8 inputs go by quads; this layer keeps int16
         weight = replace(weight, input_bits=16)
