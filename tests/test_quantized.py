@@ -169,6 +169,33 @@ def test_a_pass_over_the_weight_reads_the_bytes_gguf_stores(type_name):
 
 
 @needs_kernel
+@pytest.mark.parametrize("type_name, bits_per_weight", [("Q5_0", 5.5), ("Q5_1", 6.0), ("Q4_K", 5.0), ("Q5_K", 6.0),
+                                                        ("Q6_K", 7.0)])
+def test_five_and_six_bit_values_are_streamed_as_such(type_name, bits_per_weight):
+    """5- and 6-bit values take 5 and 6 bits (nibbles plus planes of higher bits), plus fp16 scales
+    (and offsets where o + c d is not zero) per group: Q5_0 and Q5_1 as many bytes as the file,
+    k-quants a little more (their fp16 scales per 32 or 16 values where GGUF has 6-bit ones)."""
+    n, k = 64, 512
+    layer = make_linear(from_gguf_blocks(_gguf_weight(type_name, n, k)[0], type_name, (n, k)))
+    assert isinstance(layer, QuantizedLinear)
+    assert layer.weight_bytes == n * k * bits_per_weight / 8
+
+
+@needs_kernel
+def test_the_kernel_refuses_values_and_groups_beyond_a_format():
+    kernels = native_kernels()
+    q = torch.full((32, 64), 40, dtype=torch.uint8)  # a 6-bit value in a 5-bit weight
+    with pytest.raises(RuntimeError, match="Q5 values must be 0..31"):
+        kernels.pack_quantized(q, torch.ones(32, 2), torch.zeros(32, 2), 5)
+    packed = kernels.pack_quantized(torch.zeros(32, 128, dtype=torch.uint8), torch.ones(32, 2), torch.zeros(32, 2), 6)
+    with pytest.raises(RuntimeError, match="groups of 64 inputs are not supported"):  # 6-bit sums allow 32
+        kernels.quant_linear(torch.zeros(1, 128), *packed, 32, 6, None)
+    # the layer does not ask for it: such a weight runs dense
+    wide = QuantizedWeight(torch.zeros(32, 128, dtype=torch.uint8), torch.ones(32, 2), torch.zeros(32, 2), 6, "test")
+    assert isinstance(make_linear(wide), DenseLinear)
+
+
+@needs_kernel
 def test_packing_refuses_scales_that_are_not_fp16_values():
     q = torch.zeros(32, 64, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="fp16 values"):
@@ -218,8 +245,13 @@ def test_concatenating_different_formats_keeps_them_quantized_and_exact():
     Q8_0 part, one 8-bit weight."""
     parts = [from_gguf_blocks(_gguf_weight(t, n, 256, seed=n)[0], t, (n, 256))
              for t, n in (("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 32))]
-    with_q8 = torch.cat([parts[0], from_gguf_blocks(_gguf_weight("Q8_0", 32, 256)[0], "Q8_0", (32, 256)), parts[2]])
+    q8 = from_gguf_blocks(_gguf_weight("Q8_0", 32, 256)[0], "Q8_0", (32, 256))
+    with_q8 = torch.cat([parts[0], q8, parts[2]])
     assert (with_q8.bits, with_q8.group, with_q8.q.dtype) == (8, 16, torch.int8)
+    assert torch.equal(with_q8.dequantize(), torch.cat([parts[0].dequantize(), q8.dequantize(), parts[2].dequantize()]))
+    x8 = torch.randn(2, 256)
+    exact8 = x8.double() @ with_q8.dequantize().double().t()
+    assert bool(((make_linear(with_q8)(x8).double() - exact8).abs() <= _activation_rounding_bound(with_q8, x8) + 1e-5).all())
     fused = torch.cat(parts)
     assert isinstance(fused, QuantizedWeight) and (fused.bits, fused.group, fused.shape) == (6, 16, (128, 256))
     assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))

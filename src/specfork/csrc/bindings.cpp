@@ -8,7 +8,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_weight", &pack_weight, py::call_guard<py::gil_scoped_release>(), "pack a [N, K] weight into [N/32, K, 32] blocks");
   m.def("small_m_linear", &small_m_linear, py::call_guard<py::gil_scoped_release>(), "y = x @ W^T (+ bias) for few rows, from a packed weight");
   m.def("pack_quantized", &pack_quantized, py::call_guard<py::gil_scoped_release>(), "repack GGUF block-quantised rows into 32-column tiles of input pairs");
-  m.def("quant_linear", &quant_linear, py::call_guard<py::gil_scoped_release>(), "y = x @ W^T (+ bias) for few rows, W block-quantised (Q4 or Q8)");
+  m.def("quant_linear", &quant_linear, py::call_guard<py::gil_scoped_release>(), "y = x @ W^T (+ bias) for few rows, W block-quantised (Q4, Q5, Q6 or Q8)");
   m.def("quant_linear_isa", &quant_linear_isa, py::call_guard<py::gil_scoped_release>(), "quant_linear on a named instruction set (for tests)");
   m.def("kernel_isa", &kernel_isa, py::call_guard<py::gil_scoped_release>(), "the instruction set quant_linear uses on this CPU");
   m.def("supported_isas", &supported_isas, py::call_guard<py::gil_scoped_release>(), "every instruction set quant_linear can use on this CPU");

@@ -125,8 +125,10 @@ template <int FMT>
 constexpr int32_t kCentre = nibbles<FMT>() ? 1 << (planes<FMT>() + 3) : 0;  // c: the weights' integer zero (8, 16, 32)
 
 // The largest group a format's int32 sums allow: with the nibble formats' odd fields held as 16 q
-// (see quant_gemm_tiles.inc) a sum reaches 16 * (c + q_max) * 32767 per input: within 2^31 for 128
-// inputs of Q4, 64 of Q5, 32 of Q6.
+// (see quant_gemm_tiles.inc) a partial sum may reach 16 * (c + q_max) * 32767 per input, within 2^31
+// for 128 inputs of Q4, 64 of Q5, 32 of Q6. (The vector sets' adds wrap, so only their final
+// centred sums must fit; the portable loop's int32 adds must never overflow at all, C++'s signed
+// overflow being undefined. GGUF's groups are 32 and 16.)
 int64_t max_group(int64_t format) {
   const int64_t bits = format & ~kInt8Inputs;
   return bits == kQ5 ? 64 : bits == kQ6 ? 32 : kMaxGroup;
@@ -266,8 +268,9 @@ void run_isa(int64_t isa, const Gemm& a, int64_t t0, int64_t t1) {
 
 }  // namespace
 
-// q [N, K] quantised values (uint8 0..15 for Q4, int8 for Q8), scale/offset [N, K / G] for groups of G
-// inputs, every value an fp16 one -> (units [tiles, K / 2, 32 or 64] uint8, scales [tiles, K / G, 32]
+// q [N, K] quantised values (uint8 0..15 / 0..31 / 0..63 for Q4 / Q5 / Q6, int8 for Q8), scale/offset
+// [N, K / G] for groups of G inputs, every value an fp16 one -> (units [tiles, K / 2 or K / 4,
+// unit_bytes] uint8, scales [tiles, K / G, 32]
 // fp16, offsets [tiles, K / G, 32] fp16, or [0] when every o' = o + c d is zero).
 std::vector<torch::Tensor> pack_quantized(const torch::Tensor& q, const torch::Tensor& scale, const torch::Tensor& offset,
                                           int64_t format) {

@@ -41,7 +41,7 @@ def from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) ->
 
 
 def decode_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]):
-    """(q [N, K] uint8 for 4- and 5-bit / int8 for 8-bit, d [N, K / G] float32, o [N, K / G] float32, bits):
+    """(q [N, K] uint8 for 4-, 5- and 6-bit / int8 for 8-bit, d [N, K / G] float32, o [N, K / G] float32, bits):
     w = q * d + o exactly as GGUF's dequantiser computes it."""
     if type_name not in BLOCK_BYTES:
         raise ValueError(f"no native form for GGUF {type_name} (native: {', '.join(NATIVE_FORMATS)})")
