@@ -296,13 +296,19 @@ def test_a_model_of_k_quants_and_five_bit_blocks_runs_native_and_close_to_gguf(q
     assert len(linears) == 9 and set(linears.values()) == {"QuantizedLinear"}, linears
     sources = {m.source for m in native.engine.loaded.model.modules() if isinstance(m, QuantizedLinear)}
     assert sources == {"q4_k+q6_k", "q5_k", "q4_k+q5_1", "q5_0", "q6_k"}
+    _assert_close_to_dequantized(native, fp32, 5e-3, atol=2e-2)
+
+
+def _assert_close_to_dequantized(native: LLM, fp32: LLM, tolerance: float, **near_ties) -> None:
+    """A prompt's logits within ``tolerance`` of the largest (+ 1), and greedy decoding the same
+    except at near-ties (``near_ties``: assert_greedy_match's tolerances)."""
     ids = [1, 17, 33, 5, 99, 201, 4, 8]
     a, b = prefill_logits(native, ids), prefill_logits(fp32, ids)
-    assert float((a - b).abs().max()) <= 5e-3 * (float(b.abs().max()) + 1)
+    assert float((a - b).abs().max()) <= tolerance * (float(b.abs().max()) + 1)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     ours = native.generate([ids], params)[0].token_ids
     theirs = fp32.generate([ids], params)[0].token_ids
-    assert_greedy_match(ours, theirs, prefill_logits(fp32, ids + theirs)[len(ids) - 1 :], atol=2e-2)
+    assert_greedy_match(ours, theirs, prefill_logits(fp32, ids + theirs)[len(ids) - 1 :], **near_ties)
 
 
 @needs_kernel
@@ -315,13 +321,7 @@ def test_native_model_logits_match_the_dequantized_model(quantized_ggufs, out_ty
     kinds = {type(m).__name__ for m in native.engine.loaded.model.modules()}
     assert "QuantizedLinear" in kinds
     assert "QuantizedLinear" not in {type(m).__name__ for m in fp32.engine.loaded.model.modules()}
-    ids = [1, 17, 33, 5, 99, 201, 4, 8]
-    a, b = prefill_logits(native, ids), prefill_logits(fp32, ids)
-    assert float((a - b).abs().max()) <= 1e-4 * (float(b.abs().max()) + 1)
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    ours = native.generate([ids], params)[0].token_ids
-    theirs = fp32.generate([ids], params)[0].token_ids
-    assert_greedy_match(ours, theirs, prefill_logits(fp32, ids + theirs)[len(ids) - 1 :])
+    _assert_close_to_dequantized(native, fp32, 1e-4)
 
 
 @needs_kernel

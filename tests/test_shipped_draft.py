@@ -78,8 +78,9 @@ def test_ssd_with_the_shipped_drafts_reproduces_ar_exactly(ar_reference, draft):
 
 
 def test_default_draft_for_another_target_is_a_clear_error(tiny_checkpoints):
-    with pytest.raises(SpecforkError, match="ships no default draft"):
+    with pytest.raises(SpecforkError, match="ships no default draft") as error:
         LLM(str(tiny_checkpoints["llama-gqa-tied"].path), mode="sd")
+    assert "smollm2-135m-eagle3" in str(error.value)  # named, for another quantisation of the embedded model
 
 
 HEAD = "smollm2-135m-eagle3"

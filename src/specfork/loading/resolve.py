@@ -91,7 +91,9 @@ def resolve_draft(draft: str | None, target: CheckpointLocation, *, heads: bool 
     if not shipped:
         raise ModelLoadError(
             f"specfork ships no default draft for {target.path}; pass a draft model (--draft PATH), "
-            "train one with `specfork train-draft --target ...`, or use --drafter ngram"
+            "train one with `specfork train-draft --target ...`, or use --drafter ngram (the shipped "
+            f"drafts, {', '.join(sorted(names))}, were trained for {EMBEDDED_GGUF}; another "
+            "quantisation of that model takes them by name)"
         )
     present = [n for n in shipped if (shipped_drafts_dir() / n).exists()]
     return _shipped(present[0] if present else shipped[-1])
