@@ -13,9 +13,11 @@ from specfork.layers.gguf_blocks import BLOCK_BYTES, BLOCK_VALUES
 
 # Byte offsets of each format's fp16 fields, and the size of its integer weight times its scale
 # field (so that d = scale / size gives weights of about ``scale``).
-_FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2),
-                "Q5_K": (0, 2), "Q6_K": (208,)}
-_SIZE = {"Q4_0": 8, "Q4_1": 8, "Q8_0": 128, "Q5_0": 16, "Q5_1": 16, "Q4_K": 8 * 32, "Q5_K": 16 * 32, "Q6_K": 32 * 64}
+_FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82),
+                "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+_SIZE = {"Q4_0": 8, "Q4_1": 8, "Q8_0": 128, "Q5_0": 16, "Q5_1": 16, "Q2_K": 2 * 8, "Q3_K": 4 * 32, "Q4_K": 8 * 32,
+         "Q5_K": 16 * 32, "Q6_K": 32 * 64}
+_MINIMA = {2, 82}  # the fp16 fields holding minima (Q4_1 / Q5_1's m, the k-quants' dmin)
 
 
 def random_blocks(type_name: str, n: int, k: int, seed: int = 0, scale: float = 0.05) -> np.ndarray:
@@ -25,7 +27,7 @@ def random_blocks(type_name: str, n: int, k: int, seed: int = 0, scale: float = 
     raw = rng.integers(0, 256, size=(n, k // per_block, block_bytes), dtype=np.uint8)
     for start in _FP16_FIELDS[type_name]:
         # a signed d (Q6_K's scales are signed too); minima of Q4_1/Q5_1 and dmin of k-quants about half as large
-        size = scale / _SIZE[type_name] * (0.5 if start == 2 else 1.0)
+        size = scale / _SIZE[type_name] * (0.5 if start in _MINIMA else 1.0)
         values = (rng.uniform(0.5, 1.5, size=raw.shape[:-1]) * size * rng.choice([-1.0, 1.0], size=raw.shape[:-1]))
         raw[..., start : start + 2] = values.astype(np.float16)[..., None].view(np.uint8)
     return raw.reshape(n, -1)

@@ -7,12 +7,14 @@ Every format GGUF's Llama files commonly use maps onto it:
 * ``Q5_0``, ``Q5_1``: exactly, 5-bit q in groups of 32 (Q5_0's o = -16 d).
 * k-quants (super-blocks of 256 with sub-block scales): ``Q4_K`` as 4-bit q in groups of 32 with
   d = d_super * sc and o = -dmin * m; ``Q5_K`` the same with 5-bit q; ``Q6_K`` as 6-bit q in groups
-  of 16 with d = d_super * sc and o = -32 d. The kernel stores each group's d and o in fp16 as GGUF does
+  of 16 with d = d_super * sc and o = -32 d; ``Q3_K`` (3-bit) and ``Q2_K`` (2-bit) as 4-bit q in
+  groups of 16 (d = d_super * (sc - 32), o = -4 d; d = d_super * sc, o = -dmin * m). The kernel stores each group's d and o in fp16 as GGUF does
   for the simple formats, so these products of an fp16 and a 6- or 8-bit integer are rounded to
   fp16: each weight moves by at most 2^-11 of its group's |d q| + |o|, against a quantisation step
   of d. :func:`decode_blocks` gives the exact float32 d and o for tests and measurements.
 
-The other formats (``Q2_K``, ``Q3_K``, the i-quants) are dequantised to float32 by the loader.
+The other formats (the i-quants, whose values index a codebook) are dequantised to float32 by the
+loader.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import torch
 from specfork.layers.quantized import Q4, Q5, Q6, Q8, QuantizedWeight
 
 # Bytes per block and values per block of each format unpacked here.
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q5_1": 24, "Q2_K": 84, "Q3_K": 110, "Q4_K": 144,
+               "Q5_K": 176, "Q6_K": 210}
 BLOCK_VALUES = {name: (256 if name.endswith("_K") else 32) for name in BLOCK_BYTES}
 NATIVE_FORMATS = tuple(BLOCK_BYTES)
 
@@ -147,5 +150,34 @@ def _q6_k(blocks):
     return (low | (high << 4)).reshape(*blocks.shape[:-1], 256), d_groups, -32.0 * d_groups, Q6
 
 
-_DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q4_K": _q4_k,
-             "Q5_K": _q5_k, "Q6_K": _q6_k}
+def _two_bit_runs(qs: np.ndarray) -> np.ndarray:
+    """Q2_K / Q3_K's 64 bytes of 2-bit values [..., 64] -> [..., 256]: per half of 128 values, four
+    runs of 32 (bits 0-1, 2-3, 4-5, 6-7 of the half's 32 bytes)."""
+    halves = qs.reshape(*qs.shape[:-1], 2, 1, 32)
+    runs = (halves >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 3  # [..., 2, 4, 32]
+    return runs.reshape(*qs.shape[:-1], 256)
+
+
+def _q2_k(blocks):
+    packed = blocks[..., 0:16]  # per 16 values: scale (low nibble) and minimum (high nibble)
+    d, dmin = _half(blocks, 80), _half(blocks, 82)
+    scales, minima = (packed & 15).astype(np.float32), (packed >> 4).astype(np.float32)
+    return _two_bit_runs(blocks[..., 16:80]), d[..., None] * scales, -(dmin[..., None] * minima), Q4
+
+
+def _q3_k(blocks):
+    hmask, packed = blocks[..., 0:32], blocks[..., 96:108]
+    # 16 scales of 6 bits: low nibbles in bytes 0..7 (scales 0..7, then 8..15 in the high nibbles),
+    # top 2 bits in bytes 8..11 (scale 4 s + b: bits 2 s, 2 s + 1 of byte 8 + b)
+    low = np.concatenate([packed[..., 0:8] & 15, packed[..., 0:8] >> 4], axis=-1)
+    high = (packed[..., 8:12][..., None, :] >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 3
+    scales = (low | (high.reshape(*packed.shape[:-1], 16) << 4)).astype(np.float32) - 32.0
+    # value i of a run of 32 (8 runs): bit (i // 32) of hmask[i % 32] set means q, clear q - 4
+    bit = (hmask[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [..., 8, 32]
+    q = _two_bit_runs(blocks[..., 32:96]) | (bit.reshape(*blocks.shape[:-1], 256) << 2)
+    d_groups = _half(blocks, 108)[..., None] * scales
+    return q, d_groups, -4.0 * d_groups, Q4
+
+
+_DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q2_K": _q2_k, "Q3_K": _q3_k,
+             "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
