@@ -256,6 +256,27 @@ def test_a_hung_drafter_rank_is_cut_off_within_seconds(draft_pair):
     assert _gone(drafter.pid)
 
 
+def test_a_request_to_a_drafter_rank_waits_for_its_send_no_longer_than_the_round():
+    """A rank takes a message only while its receiver thread has a receive posted; one stopped
+    between two receives (a hung rank, caught once in CI) held the round for the world's timeout
+    (--dist-timeout, minutes) where --drafter-timeout allows seconds: the send now gets the
+    round's timeout too."""
+    from specfork.speculative.ssd.transport import DrafterError, DrafterRank
+
+    class StuckConnection:
+        closed = False
+
+        def send(self, message, timeout_s=None):
+            self.timeout_s = timeout_s
+            raise ConnectionResetError("rank 1 is gone (timed out)")
+
+    rank = object.__new__(DrafterRank)  # its transport alone: no world
+    rank.conn, rank.process, rank.rank = StuckConnection(), None, 1
+    with pytest.raises(DrafterError, match="gone"):
+        rank.request(("spec", [], []), 2.0)
+    assert rank.conn.timeout_s == 2.0
+
+
 def test_drafter_rank_settings_are_checked(draft_pair):
     with pytest.raises(SpecforkError, match="needs mode 'ssd'"):
         LLM(draft_pair["target"], drafter_rank=1)

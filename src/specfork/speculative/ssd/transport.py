@@ -56,13 +56,18 @@ class DrafterProcess:
     def pid(self) -> int:
         return self.process.pid
 
-    def send(self, message) -> None:
+    def send(self, message, timeout: float | None = None) -> None:
+        """Send ``message``; ``timeout``: how long a rank may take to accept it (a pipe's buffer
+        takes a message at once)."""
         if self.conn.closed:
             raise DrafterError("the connection to the drafter process is closed")
         try:
-            self.conn.send(message)
+            self._send(message, timeout)
         except (OSError, ValueError) as e:
             raise DrafterError(f"the drafter process is gone ({type(e).__name__}: {e})") from None
+
+    def _send(self, message, timeout: float | None) -> None:
+        self.conn.send(message)
 
     def receive(self, timeout: float):
         """The next message, waiting at most ``timeout`` seconds."""
@@ -78,7 +83,8 @@ class DrafterProcess:
             raise DrafterError(f"unreadable reply from the drafter process ({type(e).__name__}: {e})") from None
 
     def request(self, message, timeout: float):
-        self.send(message)
+        """Send ``message`` and wait for the reply, each within ``timeout`` seconds."""
+        self.send(message, timeout)
         return self.receive(timeout)
 
     def ready(self, timeout: float) -> dict | None:
@@ -117,6 +123,11 @@ class DrafterRank(DrafterProcess):
     @property
     def pid(self) -> int | None:
         return None if self.process is None else self.process.pid
+
+    def _send(self, message, timeout: float | None) -> None:
+        """A rank takes a message only when its receiver thread has a receive posted; a hung rank
+        that has not must fail the round within its timeout, not the world's (minutes)."""
+        self.conn.send(message, timeout_s=timeout)
 
     def close(self) -> None:
         """Ask the rank to leave (its process ends) and stop talking to it (idempotent); a local
