@@ -8,10 +8,12 @@ Every format GGUF's Llama files commonly use maps onto it:
 * k-quants (super-blocks of 256 with sub-block scales): ``Q4_K`` as 4-bit q in groups of 32 with
   d = d_super * sc and o = -dmin * m; ``Q5_K`` the same with 5-bit q; ``Q6_K`` as 6-bit q in groups
   of 16 with d = d_super * sc and o = -32 d; ``Q3_K`` (3-bit) and ``Q2_K`` (2-bit) as 4-bit q in
-  groups of 16 (d = d_super * (sc - 32), o = -4 d; d = d_super * sc, o = -dmin * m). The kernel stores each group's d and o in fp16 as GGUF does
-  for the simple formats, so these products of an fp16 and a 6- or 8-bit integer are rounded to
-  fp16: each weight moves by at most 2^-11 of its group's |d q| + |o|, against a quantisation step
-  of d. :func:`decode_blocks` gives the exact float32 d and o for tests and measurements.
+  groups of 16 (d = d_super * (sc - 32), o = -4 d; d = d_super * sc, o = -dmin * m).
+
+The kernel stores each group's d and o in fp16 as GGUF does for the simple formats, so the
+k-quants' products of an fp16 and a 4- to 8-bit integer are rounded to fp16: each weight moves by
+at most 2^-11 of its group's |d q| + |o|, against a quantisation step of d. :func:`decode_blocks`
+gives the exact float32 d and o for tests and measurements.
 
 The other formats (the i-quants, whose values index a codebook) are dequantised to float32 by the
 loader.

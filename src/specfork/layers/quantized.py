@@ -33,7 +33,7 @@ class QuantizedWeight:
     scale: torch.Tensor  # [N, K / group] float32 holding fp16 values (GGUF's; quantize_int4 rounds to them)
     offset: torch.Tensor  # [N, K / group] float32 holding fp16 values
     bits: int  # 4, 5, 6 or 8
-    source: str  # "q4_0", "q4_1", "q8_0", "int4" (quantised at load)
+    source: str  # the GGUF format in lower case ("q4_1", "q4_k", ...; "+"-joined when fused) or "int4" (at load)
     input_bits: int = 16  # the native kernel rounds each group of activations to int16, or int8 (INPUT_BITS)
 
     @property
@@ -94,10 +94,12 @@ def dense(weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
 
 def _common_form(parts: list[QuantizedWeight]) -> list[QuantizedWeight] | None:
     """The same weights in one form, exactly: the most bits any part has (4-bit q 0..15 are 5-, 6-
-    and 8-bit values too, and so on, with the same d and o) and the smallest group (a group's d and o repeated
-    over its smaller groups), so that a fused projection of differently quantised parts (a GGUF
-    Q4_K_M file's Q4_K query and key with a Q6_K value) stays quantised rather than turning dense.
-    None where no such form exists (activations rounded differently, groups that do not divide)."""
+    and 8-bit values too, and so on, with the same d and o) and the smallest group (a group's d and
+    o repeated over its smaller groups), so that a fused projection of differently quantised parts
+    (a GGUF Q4_K_M file's Q4_K query and key with a Q6_K value) stays quantised rather than turning
+    dense. The narrower parts then cost the wider form's bytes, and the kernel's centre for that
+    form rounds their activations' error less finely (docs/decisions.md, 2026-11-30). None where
+    no such form exists (activations rounded differently, groups that do not divide)."""
     bits = max(p.bits for p in parts)
     group = min(p.group for p in parts)
     if len({p.input_bits for p in parts}) > 1 or any(p.group % group for p in parts):
