@@ -97,9 +97,9 @@ def _common_form(parts: list[QuantizedWeight]) -> list[QuantizedWeight] | None:
     and 8-bit values too, and so on, with the same d and o) and the smallest group (a group's d and
     o repeated over its smaller groups), so that a fused projection of differently quantised parts
     (a GGUF Q4_K_M file's Q4_K query and key with a Q6_K value) stays quantised rather than turning
-    dense. The narrower parts then cost the wider form's bytes, and the kernel's centre for that
-    form rounds their activations' error less finely (docs/decisions.md, 2026-11-30). None where
-    no such form exists (activations rounded differently, groups that do not divide)."""
+    dense. The narrower parts then cost the wider form's bytes, and their activations' rounding
+    error is multiplied by |q - c| with the wider form's centre c (docs/decisions.md, 2026-11-30).
+    None where no such form exists (activations rounded differently, groups that do not divide)."""
     bits = max(p.bits for p in parts)
     group = min(p.group for p in parts)
     if len({p.input_bits for p in parts}) > 1 or any(p.group % group for p in parts):
