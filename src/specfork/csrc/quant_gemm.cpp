@@ -34,7 +34,7 @@
 // (Q4_0, Q8_0) has no offsets at all. For int8 activations a unit holds a quad of inputs
 // (k .. k + 3): byte 4i + e is input k + e of output i (Q4: low nibble; high nibble: output 16 + i;
 // Q8: outputs 16..31 in a second 64 bytes), so a 512-bit register is 16 outputs x 4 inputs. Q5 and
-// Q6 are Q4's unit followed by one or two planes of the values' higher bits (plane_bytes), which
+// Q6 are Q4's unit followed by one or two planes of the values' higher bits (unit_bytes_of), which
 // the unpacking adds under a mask: 40 or 48 bytes per 64 weights (5 or 6 bits) where the same
 // values as Q8 took 64.
 //
@@ -82,12 +82,20 @@ template <int FMT>
 constexpr bool q4() { return (FMT & ~kInt8Inputs) == kQ4; }
 
 // Q4, Q5 and Q6 keep q's low 4 bits as nibbles (unsigned); Q5 adds a plane of its fifth bits, Q6
-// a plane of its fifth and one of its sixth.
-template <int FMT>
-constexpr int planes() { return (FMT & ~kInt8Inputs) == kQ8 ? 0 : static_cast<int>(FMT & ~kInt8Inputs) - 4; }
+// a plane of its fifth and one of its sixth. (Functions of a runtime format, which the templates
+// below and the packing share.)
+constexpr bool nibbles_of(int64_t format) { return (format & ~kInt8Inputs) != kQ8; }
+
+constexpr int planes_of(int64_t format) { return nibbles_of(format) ? static_cast<int>(format & ~kInt8Inputs) - 4 : 0; }
+
+// c: the weights' integer zero (8, 16, 32 for Q4, Q5, Q6; 0 for Q8).
+constexpr int32_t centre_of(int64_t format) { return nibbles_of(format) ? 1 << (planes_of(format) + 3) : 0; }
 
 template <int FMT>
-constexpr bool nibbles() { return (FMT & ~kInt8Inputs) != kQ8; }
+constexpr int planes() { return planes_of(FMT); }
+
+template <int FMT>
+constexpr bool nibbles() { return nibbles_of(FMT); }
 
 // Inputs per unit (a pair of int16 activations, or a quad of int8 ones) and the unit's bytes.
 template <int FMT>
@@ -96,33 +104,17 @@ constexpr int64_t unit_inputs() { return int8_inputs<FMT>() ? 4 : 2; }
 // Each plane of high bits follows the nibbles (bit 4 first, then bit 5): 8 bytes a pair unit (bit l
 // of 16-bit word f: lane l of field f), 16 bytes a quad unit (bit b of its first 8 bytes: byte b's
 // low nibble, of the next 8: its high nibble).
-template <int FMT>
-constexpr int64_t plane_bytes() { return int8_inputs<FMT>() ? 16 : 8; }
-
-template <int FMT>
-constexpr int64_t nibble_bytes() { return int8_inputs<FMT>() ? 64 : 32; }
-
-template <int FMT>
-constexpr int64_t unit_bytes() {
-  return nibbles<FMT>() ? nibble_bytes<FMT>() + planes<FMT>() * plane_bytes<FMT>() : (int8_inputs<FMT>() ? 128 : 64);
-}
-
-// The unit bytes of a runtime format.
-int64_t unit_bytes_of(int64_t format) {
-  switch (format) {
-    case kQ4: return unit_bytes<kQ4>();
-    case kQ5: return unit_bytes<kQ5>();
-    case kQ6: return unit_bytes<kQ6>();
-    case kQ8: return unit_bytes<kQ8>();
-    case kQ4i8: return unit_bytes<kQ4i8>();
-    case kQ5i8: return unit_bytes<kQ5i8>();
-    case kQ6i8: return unit_bytes<kQ6i8>();
-    default: return unit_bytes<kQ8i8>();
-  }
+constexpr int64_t unit_bytes_of(int64_t format) {
+  const bool quads = format & kInt8Inputs;
+  const int64_t nibble_bytes = quads ? 64 : 32, plane_bytes = quads ? 16 : 8;
+  return nibbles_of(format) ? nibble_bytes + planes_of(format) * plane_bytes : (quads ? 128 : 64);
 }
 
 template <int FMT>
-constexpr int32_t kCentre = nibbles<FMT>() ? 1 << (planes<FMT>() + 3) : 0;  // c: the weights' integer zero (8, 16, 32)
+constexpr int64_t unit_bytes() { return unit_bytes_of(FMT); }
+
+template <int FMT>
+constexpr int32_t kCentre = centre_of(FMT);
 
 // The largest group a format's int32 sums allow: with the nibble formats' odd fields held as 16 q
 // (see quant_gemm_tiles.inc) a partial sum may reach 16 * (c + q_max) * 32767 per input, within 2^31
@@ -276,8 +268,8 @@ std::vector<torch::Tensor> pack_quantized(const torch::Tensor& q, const torch::T
                                           int64_t format) {
   TORCH_CHECK(known_format(format), "pack_quantized: format must be 4, 5, 6 or 8, plus 16 for int8 inputs");
   const int64_t bits = format & ~kInt8Inputs;
-  const bool quads = format & kInt8Inputs, is_nib = bits != kQ8;
-  const int64_t planes = is_nib ? bits - 4 : 0, top = (1 << (is_nib ? bits : 8)) - 1;
+  const bool quads = format & kInt8Inputs, is_nib = nibbles_of(format);
+  const int64_t planes = planes_of(format), top = (1 << bits) - 1;
   TORCH_CHECK(q.device().is_cpu() && q.element_size() == 1, "pack_quantized: q must be a CPU uint8/int8 tensor");
   TORCH_CHECK(q.dim() == 2 && scale.dim() == 2 && scale.size(1) > 0 && q.size(1) % scale.size(1) == 0,
               "pack_quantized: q must be [N, K] and scale [N, K / G]");
@@ -297,9 +289,8 @@ std::vector<torch::Tensor> pack_quantized(const torch::Tensor& q, const torch::T
   const auto sh = sc.to(torch::kHalf), oh = oc.to(torch::kHalf);
   TORCH_CHECK(torch::equal(sh.to(torch::kFloat32), sc) && torch::equal(oh.to(torch::kFloat32), oc),
               "pack_quantized: scales and offsets must be fp16 values (GGUF's are; quantize_int4 rounds to them)");
-  // o' = o + c d (c = 8 for Q4, 16 for Q5, 32 for Q6, 0 for Q8) in fp32, as the kernel forms it: no offsets when all are zero.
-  const float centre = is_nib ? static_cast<float>(1 << (bits - 1)) : 0.0f;
-  const bool offsets = !torch::equal(oc + centre * sc, torch::zeros_like(oc));
+  // o' = o + c d in fp32, as the kernel forms it: no offsets when all are zero.
+  const bool offsets = !torch::equal(oc + static_cast<float>(centre_of(format)) * sc, torch::zeros_like(oc));
   const uint8_t* qv = reinterpret_cast<const uint8_t*>(qc.data_ptr());  // Q4: 0..15, Q8: int8 bits
   const int64_t ub = unit_bytes_of(format);
   auto units = torch::zeros({tiles, k / per_unit, ub}, torch::kUInt8);
