@@ -39,19 +39,15 @@ def k_quant_llama_gguf(path: Path, types: dict[str, str], seed: int = 0) -> Path
     ("attn_q", "ffn_down", "token_embd", ...) to its format; norms are float32 ones."""
     import gguf
 
+    from specfork.loading.gguf_export import write_config
+    from specfork.models.config import ModelArchConfig
+
     hidden, inter, layers, heads, kv_heads, vocab = 256, 512, 2, 4, 2, 256
+    arch = ModelArchConfig(architecture="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                           num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=hidden // heads,
+                           rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=True)
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name("tiny-k-quants")
-    writer.add_context_length(512)
-    writer.add_embedding_length(hidden)
-    writer.add_block_count(layers)
-    writer.add_feed_forward_length(inter)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_rope_dimension_count(hidden // heads)
-    writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_vocab_size(vocab)
+    write_config(writer, arch, "tiny-k-quants", gguf.LlamaFileType.MOSTLY_Q4_K_M)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     shapes = {"attn_q": (hidden, hidden), "attn_k": (kv_heads * 64, hidden), "attn_v": (kv_heads * 64, hidden),

@@ -80,7 +80,7 @@ def _copy_tokenizer_fields(writer, vocab_gguf: Path, vocab_size: int) -> None:
         writer.add_key_value(key, field.contents(), vtype, sub_type)
 
 
-def _write_config(writer, arch, name: str, file_type) -> None:
+def write_config(writer, arch, name: str, file_type) -> None:
     """The llama.* keys llama.cpp reads to build the model."""
     writer.add_name(name)
     for add, value in (
@@ -184,7 +184,7 @@ def export_gguf(checkpoint: str | Path, output: str | Path, *, vocab_from: str |
 
 def _write_gguf(gguf, path: Path, arch, name: str, file_type, vocab_path: Path | None, tensors: dict, qtype) -> None:
     writer = gguf.GGUFWriter(str(path), "llama")
-    _write_config(writer, arch, name, file_type)
+    write_config(writer, arch, name, file_type)
     if vocab_path is not None:
         _copy_tokenizer_fields(writer, vocab_path, arch.vocab_size)
     else:
