@@ -1,6 +1,6 @@
 """Random but well-formed GGUF blocks of every format the native path unpacks, and a tiny Llama GGUF
 built from them: the ``gguf`` package dequantises every format but quantises only the simple ones,
-so the k-quant tests draw the integer fields at random and set each block's fp16 scales to a
+so the k-quant and IQ4 tests draw the integer fields at random and set each block's fp16 scales to a
 healthy size (weights of roughly ``scale`` in magnitude)."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from specfork.layers.gguf_blocks import BLOCK_BYTES, BLOCK_VALUES
 # Byte offsets of each format's fp16 fields, and the size of its integer weight times its scale
 # field (so that d = scale / size gives weights of about ``scale``).
 _FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82),
-                "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+                "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
 _SIZE = {"Q4_0": 8, "Q4_1": 8, "Q8_0": 128, "Q5_0": 16, "Q5_1": 16, "Q2_K": 2 * 8, "Q3_K": 4 * 32, "Q4_K": 8 * 32,
-         "Q5_K": 16 * 32, "Q6_K": 32 * 64}
+         "Q5_K": 16 * 32, "Q6_K": 32 * 64, "IQ4_NL": 127, "IQ4_XS": 127 * 16}
 _MINIMA = {2, 82}  # the fp16 fields holding minima (Q4_1 / Q5_1's m, the k-quants' dmin)
 
 

@@ -46,14 +46,16 @@ def _activation_rounding_bound(weight: QuantizedWeight, x: torch.Tensor) -> torc
 
 
 K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+I_QUANTS = ("IQ4_NL", "IQ4_XS")
+ROUNDED = (*K_QUANTS, "IQ4_XS")  # a combined scale (super-block d x sub-block scale) rounded to fp16
 K_SHAPES = [(576, 1536), (100, 256), (33, 512), (1, 256)]  # k-quant rows hold whole super-blocks of 256
 
 
 def _gguf_weight(type_name: str, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
     """(the blocks [n, row bytes], gguf's own dequantisation of them as float32 [n, k]): quantised by
-    gguf where it can, random well-formed blocks for the k-quants (gguf only dequantises those)."""
+    gguf where it can, random well-formed blocks for the k-quants and IQ4 (gguf only dequantises those)."""
     qtype = getattr(GGMLQuantizationType, type_name)
-    if type_name in K_QUANTS:
+    if type_name in K_QUANTS + I_QUANTS:
         raw = random_blocks(type_name, n, k, seed=seed)
     else:
         rng = np.random.default_rng(seed)
@@ -63,14 +65,15 @@ def _gguf_weight(type_name: str, n: int, k: int, seed: int = 0) -> tuple[np.ndar
 
 
 def _cases(types):
-    return [(t, shape) for t in types for shape in (K_SHAPES if t in K_QUANTS else SHAPES)]
+    return [(t, shape) for t in types for shape in (K_SHAPES if t in ROUNDED else SHAPES)]
 
 
 @pytest.mark.parametrize("type_name, shape", _cases(NATIVE_FORMATS), ids=lambda v: v if isinstance(v, str) else "x".join(map(str, v)))
 def test_unpacked_blocks_dequantize_as_gguf(type_name, shape):
     """Every format's integers, scales and offsets (float32, before the kernel's fp16 storage) give
     gguf's own values bit for bit; stored as fp16 they stay exact for all but the k-quants, whose
-    combined scales d_super * sc (and minima dmin * m) move by at most 2^-11 of a weight's terms."""
+    combined scales d_super * sc (and minima dmin * m) move by at most 2^-11 of a weight's terms, as
+    do IQ4_XS's (IQ4's 4-bit indices become the 8-bit values they select)."""
     raw, reference = _gguf_weight(type_name, *shape, seed=shape[0])
     q, d, o, bits = decode_blocks(raw, type_name, shape)
     exact = QuantizedWeight(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(o), bits, "exact")
@@ -82,7 +85,7 @@ def test_unpacked_blocks_dequantize_as_gguf(type_name, shape):
         assert torch.equal(exact.dequantize(), reference)
     weight = from_gguf_blocks(raw, type_name, shape)
     assert weight.bits == bits and weight.group == (16 if type_name in ("Q2_K", "Q3_K", "Q6_K") else 32)
-    if type_name not in K_QUANTS:
+    if type_name not in ROUNDED:
         assert torch.equal(weight.dequantize(), reference)
         return
     moved = (weight.dequantize().double() - reference.double()).abs().numpy()
@@ -91,8 +94,8 @@ def test_unpacked_blocks_dequantize_as_gguf(type_name, shape):
 
 
 def test_formats_without_a_native_form_are_refused_by_the_unpacker():
-    with pytest.raises(ValueError, match="no native form for GGUF IQ4_XS"):
-        decode_blocks(np.zeros((1, 136), np.uint8), "IQ4_XS", (1, 256))
+    with pytest.raises(ValueError, match="no native form for GGUF IQ3_S"):
+        decode_blocks(np.zeros((1, 110), np.uint8), "IQ3_S", (1, 256))
     with pytest.raises(ValueError, match="not a multiple of its block of 256"):
         decode_blocks(np.zeros((1, 144), np.uint8), "Q4_K", (1, 128))
 
@@ -172,12 +175,14 @@ def test_a_pass_over_the_weight_reads_the_bytes_gguf_stores(type_name):
 
 @needs_kernel
 @pytest.mark.parametrize("type_name, bits_per_weight", [("Q5_0", 5.5), ("Q5_1", 6.0), ("Q4_K", 5.0), ("Q5_K", 6.0),
-                                                        ("Q6_K", 7.0), ("Q3_K", 6.0), ("Q2_K", 6.0)])
+                                                        ("Q6_K", 7.0), ("Q3_K", 6.0), ("Q2_K", 6.0),
+                                                        ("IQ4_NL", 8.5), ("IQ4_XS", 8.5)])
 def test_every_format_is_streamed_at_its_packed_width(type_name, bits_per_weight):
     """5- and 6-bit values take 5 and 6 bits (nibbles plus planes of higher bits), 2- and 3-bit ones
     4, plus fp16 scales (and offsets where o + c d is not zero) per group: Q5_0 and Q5_1 as many
     bytes as the file, k-quants more (their fp16 scales per 32 or 16 values where GGUF has 4- to
-    8-bit ones; Q2_K and Q3_K more than twice their 2.6 and 3.4 bits)."""
+    8-bit ones; Q2_K and Q3_K more than twice their 2.6 and 3.4 bits), IQ4's table values 8 (twice
+    the file's 4.25 and 4.5 bits)."""
     n, k = 64, 512
     layer = make_linear(from_gguf_blocks(_gguf_weight(type_name, n, k)[0], type_name, (n, k)))
     assert isinstance(layer, QuantizedLinear)
@@ -278,6 +283,7 @@ def quantized_ggufs(tiny_checkpoints, tmp_path_factory):
     source = tiny_checkpoints["llama-gqa-tied"].path
     files = {t: export_gguf(source, root / f"tiny-{t}.gguf", vocab_from=None, out_type=t) for t in ("q4_0", "q4_1", "q8_0")}
     files["k-mix"] = k_quant_llama_gguf(root / "tiny-k-mix.gguf", K_MIX)
+    files["iq4-mix"] = k_quant_llama_gguf(root / "tiny-iq4-mix.gguf", IQ4_MIX)
     return files
 
 
@@ -285,20 +291,25 @@ def quantized_ggufs(tiny_checkpoints, tmp_path_factory):
 # query, key and gate beside Q6_K values and embeddings, plus Q5_K, Q5_1 and Q5_0.
 K_MIX = {"token_embd": "Q6_K", "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_K",
          "ffn_gate": "Q4_K", "ffn_up": "Q5_1", "ffn_down": "Q5_0"}
+# An IQ4_XS file's matrices: IQ4_XS, with IQ4_NL where a row does not hold whole super-blocks, and a
+# Q4_K up projection beside an IQ4_XS gate (4-bit q lifted to the 8-bit form of IQ4's values).
+IQ4_MIX = {"token_embd": "IQ4_XS", "attn_q": "IQ4_XS", "attn_k": "IQ4_XS", "attn_v": "IQ4_XS", "attn_output": "IQ4_NL",
+           "ffn_gate": "IQ4_XS", "ffn_up": "Q4_K", "ffn_down": "IQ4_NL"}
 
 
 @needs_kernel
-def test_a_model_of_k_quants_and_five_bit_blocks_runs_native_and_close_to_gguf(quantized_ggufs):
+@pytest.mark.parametrize("model, sources", [("k-mix", {"q4_k+q6_k", "q5_k", "q4_k+q5_1", "q5_0", "q6_k"}),
+                                            ("iq4-mix", {"iq4_xs", "iq4_nl", "iq4_xs+q4_k"})])
+def test_a_model_of_k_quants_and_five_bit_blocks_runs_native_and_close_to_gguf(quantized_ggufs, model, sources):
     """Every projection stays quantised (fused ones of mixed formats too), the logits stay within
-    the fp16 rounding of the k-quants' scales of the exactly dequantised model's, and greedy
-    decoding agrees except at near-ties."""
-    path = str(quantized_ggufs["k-mix"])
+    the fp16 rounding of the k-quants' and IQ4_XS's scales of the exactly dequantised model's, and
+    greedy decoding agrees except at near-ties."""
+    path = str(quantized_ggufs[model])
     native, fp32 = LLM(path, weights="native", kv_cache_dtype="float32"), LLM(path, weights="fp32")
     linears = {name: type(m).__name__ for name, m in native.engine.loaded.model.named_modules()
                if type(m).__name__ in ("QuantizedLinear", "DenseLinear")}
     assert len(linears) == 9 and set(linears.values()) == {"QuantizedLinear"}, linears
-    sources = {m.source for m in native.engine.loaded.model.modules() if isinstance(m, QuantizedLinear)}
-    assert sources == {"q4_k+q6_k", "q5_k", "q4_k+q5_1", "q5_0", "q6_k"}
+    assert {m.source for m in native.engine.loaded.model.modules() if isinstance(m, QuantizedLinear)} == sources
     _assert_close_to_dequantized(native, fp32, 5e-3, atol=2e-2)
 
 
@@ -332,7 +343,8 @@ def test_native_model_logits_match_the_dequantized_model(quantized_ggufs, out_ty
                                                       ("sd", "float32", "native", "q4_1"),
                                                       ("sd", None, "native-int8", "q4_1"),
                                                       ("ssd", None, "native-int8", "q4_1"),
-                                                      ("sd", None, "native", "k-mix")])
+                                                      ("sd", None, "native", "k-mix"),
+                                                      ("sd", None, "native", "iq4-mix")])
 def test_speculation_on_the_native_path_equals_native_ar(quantized_ggufs, mode, kv, weights, target):
     path = str(quantized_ggufs[target])
     prompts = [[1, 17, 33, 5], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
@@ -364,7 +376,8 @@ def test_embedded_model_native_greedy_equals_fp32_except_near_ties(max_tokens):
 @pytest.mark.parametrize("out_type, kv, weights", [("q4_0", None, "native"), ("q4_1", None, "native"),
                                                    ("q8_0", None, "native"), ("q4_1", "float32", "native"),
                                                    ("q4_1", None, "native-int8"), ("q8_0", None, "native-int8"),
-                                                   ("k-mix", None, "native"), ("k-mix", None, "native-int8")])
+                                                   ("k-mix", None, "native"), ("k-mix", None, "native-int8"),
+                                                   ("iq4-mix", None, "native")])
 def test_one_native_call_per_forward_is_bit_identical_to_the_module_path(quantized_ggufs, out_type, kv, weights):
     """Decode and verify windows of two sequences: all layers and the LM head in one native call,
     one native call per layer, and the Python module path give the same logits, features and KV

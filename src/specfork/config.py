@@ -157,7 +157,7 @@ class Config:
         None, "seconds to wait for the drafter before declaring it failed (requests go on in-process while it "
         "restarts), or auto: 10x the expected answer from the observed round times, 2 to 60 s "
         "(speculative/ssd/deadline.py) (default: auto)", parse=seconds_or_auto, flag="--drafter-timeout", group=SSD)
-    weights: str = option("native", "native: run a GGUF's Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/Q2_K-Q6_K matrices quantised (native CPU kernel, "
+    weights: str = option("native", "native: run a GGUF's Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/Q2_K-Q6_K/IQ4_NL/IQ4_XS matrices quantised (native CPU kernel, "
                           "no per-step dequantisation, activations rounded to int16 per quantisation group of 16-32; an EAGLE-3 "
                           "head's projections run the int4 kernel); native-int8: the same with activations rounded "
                           "to int8 as llama.cpp does (about a third fewer multiply-add instructions for "

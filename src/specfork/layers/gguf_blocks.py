@@ -9,14 +9,18 @@ Every format GGUF's Llama files commonly use maps onto it:
   d = d_super * sc and o = -dmin * m; ``Q5_K`` the same with 5-bit q; ``Q6_K`` as 6-bit q in groups
   of 16 with d = d_super * sc and o = -32 d; ``Q3_K`` (3-bit) and ``Q2_K`` (2-bit) as 4-bit q in
   groups of 16 (d = d_super * (sc - 32), o = -4 d; d = d_super * sc, o = -dmin * m).
+* ``IQ4_NL`` and ``IQ4_XS`` (4-bit indices into a table of 16 int8 values, blocks of 32 / super-
+  blocks of 256 with 6-bit sub-block scales): as 8-bit q, the table's values, in groups of 32 with
+  d = d_block (exactly) or d = d_super * (ls - 32). 8 bits a value where the file has 4: twice the
+  bytes, against four times as many dequantised to float32.
 
 The kernel stores each group's d and o in fp16 as GGUF does for the simple formats, so the
-k-quants' products of an fp16 and a 4- to 8-bit integer are rounded to fp16: each weight moves by
+k-quants' and IQ4_XS's products of an fp16 and a 4- to 8-bit integer are rounded to fp16: each weight moves by
 at most 2^-11 of its group's |d q| + |o|, against a quantisation step of d. :func:`decode_blocks`
 gives the exact float32 d and o for tests and measurements.
 
-The other formats (the i-quants, whose values index a codebook) are dequantised to float32 by the
-loader.
+The other formats (the smaller i-quants, whose groups of values index a lattice codebook) are
+dequantised to float32 by the loader.
 """
 
 from __future__ import annotations
@@ -28,15 +32,15 @@ from specfork.layers.quantized import Q4, Q5, Q6, Q8, QuantizedWeight
 
 # Bytes per block and values per block of each format unpacked here.
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q5_1": 24, "Q2_K": 84, "Q3_K": 110, "Q4_K": 144,
-               "Q5_K": 176, "Q6_K": 210}
-BLOCK_VALUES = {name: (256 if name.endswith("_K") else 32) for name in BLOCK_BYTES}
+               "Q5_K": 176, "Q6_K": 210, "IQ4_NL": 18, "IQ4_XS": 136}
+BLOCK_VALUES = {name: (256 if name.endswith("_K") or name == "IQ4_XS" else 32) for name in BLOCK_BYTES}
 NATIVE_FORMATS = tuple(BLOCK_BYTES)
 
 
 def from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantizedWeight | None:
     """A GGUF tensor's rows (``raw``: its bytes, [N, row_bytes] uint8) as a :class:`QuantizedWeight`,
-    scales and offsets rounded to fp16 values (exact for every format but the k-quants); None where
-    a k-quant's combined scale is beyond fp16's range (the tensor is then better dequantised)."""
+    scales and offsets rounded to fp16 values (exact for every format but the k-quants and IQ4_XS);
+    None where a combined scale is beyond fp16's range (the tensor is then better dequantised)."""
     q, d, o, bits = decode_blocks(raw, type_name, shape)
     with np.errstate(over="ignore"):
         d16, o16 = _fp16(d), _fp16(o)
@@ -181,5 +185,27 @@ def _q3_k(blocks):
     return q, d_groups, -4.0 * d_groups, Q4
 
 
+# IQ4_NL's and IQ4_XS's 16 values, which their 4-bit indices select (ggml's kvalues_iq4nl).
+_IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+
+
+def _iq4_nl(blocks):
+    # Q4_0's layout (fp16 d, then 16 bytes: values 0..15 in the low nibbles, 16..31 in the high)
+    return _IQ4_VALUES[_nibbles(blocks[..., 2:])], _half(blocks, 0), np.zeros(blocks.shape[:-1], np.float32), Q8
+
+
+def _iq4_xs(blocks):
+    # fp16 d, a 16-bit word of the sub-block scales' top 2 bits (bits 2 j, 2 j + 1), 4 bytes of their
+    # low 4 bits (sub-block j: nibble j % 2 of byte j // 2), then per sub-block 16 bytes as IQ4_NL's
+    high = blocks[..., 2:4].copy().view("<u2")[..., 0].astype(np.uint16)
+    low = np.stack([blocks[..., 4:8] & 15, blocks[..., 4:8] >> 4], axis=-1).reshape(*blocks.shape[:-1], 8)
+    top = (high[..., None] >> (2 * np.arange(8, dtype=np.uint16))) & 3
+    scales = (low | (top << 4)).astype(np.float32) - 32.0
+    qs = blocks[..., 8:].reshape(*blocks.shape[:-1], 8, 16)
+    q = _IQ4_VALUES[_nibbles(qs)].reshape(*blocks.shape[:-1], 256)
+    d = _half(blocks, 0)[..., None] * scales
+    return q, d, np.zeros(d.shape, np.float32), Q8
+
+
 _DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q2_K": _q2_k, "Q3_K": _q3_k,
-             "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+             "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs}
