@@ -1,6 +1,6 @@
 """The native kernels' instruction sets: the quantised GEMM compiled for portable C++, AVX2,
 AVX-512 and AVX-512 VNNI gives identical results on every set this CPU runs, for Q4_0, Q4_1, Q8_0,
-Q5_0, Q5_1, Q5_K, Q4_K, Q6_K, Q3_K and int4 weights, int16 and int8 activations, at every verify-window height
+Q5_0, Q5_1, Q5_K, Q4_K, Q6_K, Q3_K, IQ4_NL, IQ4_XS and int4 weights, int16 and int8 activations, at every verify-window height
 M = 1..9 and for a batch of 25 rows (several row blocks share each tile's weights, unpacked once
 on AVX-512); the set in use is the best one."""
 
@@ -51,7 +51,8 @@ def _weights():
     for type_name in ("Q4_0", "Q4_1", "Q8_0"):
         for n, k in SHAPES:
             yield f"{type_name}-{n}x{k}", from_gguf_blocks(_gguf_weight(type_name, n, k, seed=n)[0], type_name, (n, k))
-    for type_name in ("Q5_0", "Q5_1", "Q5_K", "Q4_K", "Q6_K", "Q3_K"):  # 5- and 6-bit q, k-quants' groups of 16
+    # 5- and 6-bit q, k-quants' groups of 16, IQ4's indices looked up in its table
+    for type_name in ("Q5_0", "Q5_1", "Q5_K", "Q4_K", "Q6_K", "Q3_K", "IQ4_NL", "IQ4_XS"):
         for n, k in ((100, 256), (33, 512)):
             yield f"{type_name}-{n}x{k}", from_gguf_blocks(_gguf_weight(type_name, n, k, seed=n)[0], type_name, (n, k))
     gen = torch.Generator().manual_seed(7)

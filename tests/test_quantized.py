@@ -176,13 +176,13 @@ def test_a_pass_over_the_weight_reads_the_bytes_gguf_stores(type_name):
 @needs_kernel
 @pytest.mark.parametrize("type_name, bits_per_weight", [("Q5_0", 5.5), ("Q5_1", 6.0), ("Q4_K", 5.0), ("Q5_K", 6.0),
                                                         ("Q6_K", 7.0), ("Q3_K", 6.0), ("Q2_K", 6.0),
-                                                        ("IQ4_NL", 8.5), ("IQ4_XS", 8.5)])
+                                                        ("IQ4_NL", 4.5), ("IQ4_XS", 4.5)])
 def test_every_format_is_streamed_at_its_packed_width(type_name, bits_per_weight):
     """5- and 6-bit values take 5 and 6 bits (nibbles plus planes of higher bits), 2- and 3-bit ones
     4, plus fp16 scales (and offsets where o + c d is not zero) per group: Q5_0 and Q5_1 as many
     bytes as the file, k-quants more (their fp16 scales per 32 or 16 values where GGUF has 4- to
-    8-bit ones; Q2_K and Q3_K more than twice their 2.6 and 3.4 bits), IQ4's table values 8 (twice
-    the file's 4.25 and 4.5 bits)."""
+    8-bit ones; Q2_K and Q3_K more than twice their 2.6 and 3.4 bits), IQ4's values as their 4-bit
+    indices (IQ4_NL as many bytes as the file, IQ4_XS fp16 scales where it has 6-bit ones)."""
     n, k = 64, 512
     layer = make_linear(from_gguf_blocks(_gguf_weight(type_name, n, k)[0], type_name, (n, k)))
     assert isinstance(layer, QuantizedLinear)

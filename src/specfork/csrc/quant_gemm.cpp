@@ -1,5 +1,6 @@
 // Small-M GEMM on GGUF block-quantized weights (4-, 5-, 6- and 8-bit values: Q4_0, Q4_1, Q5_0, Q5_1,
-// Q8_0 and the k-quants as layers/gguf_blocks.py unpacks them), for CPU decode and verification:
+// Q8_0 and the k-quants as layers/gguf_blocks.py unpacks them; IQ4_NL / IQ4_XS's 4-bit indices into
+// a table of 16 int8 values), for CPU decode and verification:
 // y[M, N] = x[M, K] @ W^T (+ bias), W never materialised in fp32.
 //
 // GGUF stores each output row in blocks of 32 inputs: Q4_0 w = d * (q - 8), Q4_1 w = d * q + m
@@ -36,7 +37,9 @@
 // Q8: outputs 16..31 in a second 64 bytes), so a 512-bit register is 16 outputs x 4 inputs. Q5 and
 // Q6 are Q4's unit followed by one or two planes of the values' higher bits (unit_bytes_of), which
 // the unpacking adds under a mask: 40 or 48 bytes per 64 weights (5 or 6 bits) where the same
-// values as Q8 took 64.
+// values as Q8 took 64. IQ4 packs its indices as Q4 packs its values and looks each one up in the
+// table (kIQ4Values) as it unpacks a unit (AVX-512: vpermw / vpshufb; AVX2: vpshufb), giving
+// signed values centred on 0 as Q8's: 4 bits a weight where the same values as Q8 took 8.
 //
 // Integer sums are exact, and the float epilogue runs in the same order for every row, so a row's
 // result never depends on how many other rows share the call (batch-invariant by construction), and
@@ -62,17 +65,23 @@ namespace {
 constexpr int64_t kTile = 32;        // output columns per tile
 constexpr int64_t kMaxGroup = 128;   // largest quantisation group (inputs sharing one scale)
 
-// The format of a packed weight: its bits, plus kInt8Inputs when the activations are rounded to
-// int8 rather than int16 (the weights are then packed by input quads, see pack_quantized).
+// The format of a packed weight: its bits (kIQ4: 4-bit indices into kIQ4Values), plus kInt8Inputs
+// when the activations are rounded to int8 rather than int16 (the weights are then packed by input
+// quads, see pack_quantized).
 constexpr int64_t kInt8Inputs = 16;
 enum Format : int64_t {
-  kQ4 = 4, kQ5 = 5, kQ6 = 6, kQ8 = 8,
-  kQ4i8 = kQ4 | kInt8Inputs, kQ5i8 = kQ5 | kInt8Inputs, kQ6i8 = kQ6 | kInt8Inputs, kQ8i8 = kQ8 | kInt8Inputs
+  kQ4 = 4, kQ5 = 5, kQ6 = 6, kQ8 = 8, kIQ4 = 12,
+  kQ4i8 = kQ4 | kInt8Inputs, kQ5i8 = kQ5 | kInt8Inputs, kQ6i8 = kQ6 | kInt8Inputs, kQ8i8 = kQ8 | kInt8Inputs,
+  kIQ4i8 = kIQ4 | kInt8Inputs
 };
+
+// IQ4_NL's and IQ4_XS's 16 values (ggml's kvalues_iq4nl; layers/quantized.py IQ4_VALUES).
+constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 bool known_format(int64_t format) {
   const int64_t bits = format & ~kInt8Inputs;
-  return (format & ~(kInt8Inputs | 15)) == 0 && (bits == kQ4 || bits == kQ5 || bits == kQ6 || bits == kQ8);
+  return (format & ~(kInt8Inputs | 15)) == 0 &&
+         (bits == kQ4 || bits == kQ5 || bits == kQ6 || bits == kQ8 || bits == kIQ4);
 }
 
 template <int FMT>
@@ -82,20 +91,32 @@ template <int FMT>
 constexpr bool q4() { return (FMT & ~kInt8Inputs) == kQ4; }
 
 // Q4, Q5 and Q6 keep q's low 4 bits as nibbles (unsigned); Q5 adds a plane of its fifth bits, Q6
-// a plane of its fifth and one of its sixth. (Functions of a runtime format, which the templates
-// below and the packing share.)
+// a plane of its fifth and one of its sixth. IQ4 keeps its indices as nibbles, and its values are
+// the table's (signed, as Q8's). (Functions of a runtime format, which the templates below and the
+// packing share.)
 constexpr bool nibbles_of(int64_t format) { return (format & ~kInt8Inputs) != kQ8; }
 
-constexpr int planes_of(int64_t format) { return nibbles_of(format) ? static_cast<int>(format & ~kInt8Inputs) - 4 : 0; }
+constexpr bool table_of(int64_t format) { return (format & ~kInt8Inputs) == kIQ4; }
 
-// c: the weights' integer zero (8, 16, 32 for Q4, Q5, Q6; 0 for Q8).
-constexpr int32_t centre_of(int64_t format) { return nibbles_of(format) ? 1 << (planes_of(format) + 3) : 0; }
+constexpr int planes_of(int64_t format) {
+  return nibbles_of(format) && !table_of(format) ? static_cast<int>(format & ~kInt8Inputs) - 4 : 0;
+}
+
+// c: the weights' integer zero (8, 16, 32 for Q4, Q5, Q6; 0 for Q8 and IQ4, whose values are signed).
+constexpr int32_t centre_of(int64_t format) { return nibbles_of(format) && !table_of(format) ? 1 << (planes_of(format) + 3) : 0; }
 
 template <int FMT>
 constexpr int planes() { return planes_of(FMT); }
 
 template <int FMT>
 constexpr bool nibbles() { return nibbles_of(FMT); }
+
+template <int FMT>
+constexpr bool table() { return table_of(FMT); }
+
+// The values unpacked are unsigned (Q4, Q5, Q6: 0..63), not signed (Q8, IQ4: -128..127).
+template <int FMT>
+constexpr bool unsigned_values() { return nibbles<FMT>() && !table<FMT>(); }
 
 // Inputs per unit (a pair of int16 activations, or a quad of int8 ones) and the unit's bytes.
 template <int FMT>
@@ -118,7 +139,7 @@ constexpr int32_t kCentre = centre_of(FMT);
 
 // The largest group a format's int32 sums allow: with the nibble formats' odd fields held as 16 q
 // (see quant_gemm_tiles.inc) a partial sum may reach 16 * (c + q_max) * 32767 per input, within 2^31
-// for 128 inputs of Q4, 64 of Q5, 32 of Q6. (The vector sets' adds wrap, so only their final
+// for 128 inputs of Q4, 64 of Q5, 32 of Q6 (Q8 and IQ4: 128 * 32767 per input, any group to 128). (The vector sets' adds wrap, so only their final
 // centred sums must fit; the portable loop's int32 adds must never overflow at all, C++'s signed
 // overflow being undefined. GGUF's groups are 32 and 16.)
 int64_t max_group(int64_t format) {
@@ -144,6 +165,7 @@ inline int32_t unit_value(const uint8_t* unit, int f, int lane) {
   if constexpr (nibbles<FMT>()) {
     const uint16_t v = static_cast<uint16_t>(unit[2 * lane] | (unit[2 * lane + 1] << 8));
     int32_t q = (v >> (4 * f)) & 15;
+    if constexpr (table<FMT>()) return kIQ4Values[q];
     for (int p = 0; p < planes<FMT>(); ++p) q |= ((unit[32 + 8 * p + 2 * f + lane / 8] >> (lane % 8)) & 1) << (4 + p);
     return q;
   } else {
@@ -157,6 +179,7 @@ inline int32_t quad_value(const uint8_t* unit, int j, int e) {
   if constexpr (nibbles<FMT>()) {
     const int b = 4 * (j % 16) + e;  // the byte holding it (outputs 16..31: high nibbles)
     int32_t q = (unit[b] >> (4 * (j / 16))) & 15;
+    if constexpr (table<FMT>()) return kIQ4Values[q];
     for (int p = 0; p < planes<FMT>(); ++p) q |= ((unit[64 + 16 * p + 8 * (j / 16) + b / 8] >> (b % 8)) & 1) << (4 + p);
     return q;
   }
@@ -260,16 +283,16 @@ void run_isa(int64_t isa, const Gemm& a, int64_t t0, int64_t t1) {
 
 }  // namespace
 
-// q [N, K] quantised values (uint8 0..15 / 0..31 / 0..63 for Q4 / Q5 / Q6, int8 for Q8), scale/offset
+// q [N, K] quantised values (uint8 0..15 / 0..31 / 0..63 for Q4 / Q5 / Q6, int8 for Q8; IQ4: its
+// indices 0..15), scale/offset
 // [N, K / G] for groups of G inputs, every value an fp16 one -> (units [tiles, K / 2 or K / 4,
 // unit_bytes] uint8, scales [tiles, K / G, 32]
 // fp16, offsets [tiles, K / G, 32] fp16, or [0] when every o' = o + c d is zero).
 std::vector<torch::Tensor> pack_quantized(const torch::Tensor& q, const torch::Tensor& scale, const torch::Tensor& offset,
                                           int64_t format) {
-  TORCH_CHECK(known_format(format), "pack_quantized: format must be 4, 5, 6 or 8, plus 16 for int8 inputs");
-  const int64_t bits = format & ~kInt8Inputs;
+  TORCH_CHECK(known_format(format), "pack_quantized: format must be 4, 5, 6, 8 or 12 (IQ4), plus 16 for int8 inputs");
   const bool quads = format & kInt8Inputs, is_nib = nibbles_of(format);
-  const int64_t planes = planes_of(format), top = (1 << bits) - 1;
+  const int64_t planes = planes_of(format), top = (1 << (4 + planes)) - 1;
   TORCH_CHECK(q.device().is_cpu() && q.element_size() == 1, "pack_quantized: q must be a CPU uint8/int8 tensor");
   TORCH_CHECK(q.dim() == 2 && scale.dim() == 2 && scale.size(1) > 0 && q.size(1) % scale.size(1) == 0,
               "pack_quantized: q must be [N, K] and scale [N, K / G]");
@@ -280,7 +303,9 @@ std::vector<torch::Tensor> pack_quantized(const torch::Tensor& q, const torch::T
   const int64_t tiles = (n + kTile - 1) / kTile;
   TORCH_CHECK(scale.size(0) == n && offset.sizes() == scale.sizes(), "pack_quantized: scale and offset must be [N, K / G]");
   if (is_nib && n > 0 && k > 0)
-    TORCH_CHECK(q.max().item<uint8_t>() <= top, "pack_quantized: Q", bits, " values must be 0..", top);
+    TORCH_CHECK(q.max().item<uint8_t>() <= top, "pack_quantized: ",
+                table_of(format) ? std::string("IQ4 indices") : "Q" + std::to_string(4 + planes) + " values",
+                " must be 0..", top);
   // One pass of plain loops, parallel over tiles (a model's worth of weights packs in well under a
   // second; the same layout built from tensor permutations took seconds).
   const auto qc = q.contiguous();
@@ -404,7 +429,7 @@ namespace parts {
 
 QuantWeight quant_weight(const torch::Tensor& units, const torch::Tensor& scales, const torch::Tensor& offsets,
                          int64_t n_out, int64_t format, const torch::Tensor* bias) {
-  TORCH_CHECK(known_format(format), "quant_linear: format must be 4, 5, 6 or 8, plus 16 for int8 inputs");
+  TORCH_CHECK(known_format(format), "quant_linear: format must be 4, 5, 6, 8 or 12 (IQ4), plus 16 for int8 inputs");
   const bool quads = format & kInt8Inputs;
   const int64_t per_unit = quads ? 4 : 2;
   const int64_t bytes = unit_bytes_of(format);

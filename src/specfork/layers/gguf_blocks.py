@@ -11,8 +11,8 @@ Every format GGUF's Llama files commonly use maps onto it:
   groups of 16 (d = d_super * (sc - 32), o = -4 d; d = d_super * sc, o = -dmin * m).
 * ``IQ4_NL`` and ``IQ4_XS`` (4-bit indices into a table of 16 int8 values, blocks of 32 / super-
   blocks of 256 with 6-bit sub-block scales): as 8-bit q, the table's values, in groups of 32 with
-  d = d_block (exactly) or d = d_super * (ls - 32). 8 bits a value where the file has 4: twice the
-  bytes, against four times as many dequantised to float32.
+  d = d_block (exactly) or d = d_super * (ls - 32). The kernel packs such values as their 4-bit
+  indices again (layers/quantized.py) and looks them up as it unpacks them.
 
 The kernel stores each group's d and o in fp16 as GGUF does for the simple formats, so the
 k-quants' and IQ4_XS's products of an fp16 and a 4- to 8-bit integer are rounded to fp16: each weight moves by
@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specfork.layers.quantized import Q4, Q5, Q6, Q8, QuantizedWeight
+from specfork.layers.quantized import IQ4_VALUES, Q4, Q5, Q6, Q8, QuantizedWeight
 
 # Bytes per block and values per block of each format unpacked here.
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q5_1": 24, "Q2_K": 84, "Q3_K": 110, "Q4_K": 144,
@@ -185,8 +185,7 @@ def _q3_k(blocks):
     return q, d_groups, -4.0 * d_groups, Q4
 
 
-# IQ4_NL's and IQ4_XS's 16 values, which their 4-bit indices select (ggml's kvalues_iq4nl).
-_IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+_IQ4_VALUES = np.array(IQ4_VALUES, dtype=np.int8)
 
 
 def _iq4_nl(blocks):

@@ -21,6 +21,10 @@ from torch import nn
 from specfork.native_kernels import kernels as native_kernels
 
 Q4, Q5, Q6, Q8 = 4, 5, 6, 8
+IQ4 = 12  # the kernel's format of 8-bit values that are all IQ4_VALUES: packed as their 4-bit indices
+# IQ4_NL's and IQ4_XS's 16 values, which their 4-bit indices select (ggml's kvalues_iq4nl; the
+# kernel's kIQ4Values).
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 INPUT_BITS = (16, 8)  # how finely the native kernel rounds activations (csrc/quant_gemm.cpp)
 INT8_INPUTS = 16  # the kernel's format flag for int8 activations
 MAX_GROUP = 128  # the native kernel's limit (csrc/quant_gemm.cpp, kMaxGroup)
@@ -143,9 +147,10 @@ class QuantizedLinear(nn.Module):
         self.source = weight.source
         self.bits = weight.bits
         self.input_bits = weight.input_bits
-        self.format = weight.bits | (INT8_INPUTS if weight.input_bits == 8 else 0)  # the kernel's format code
+        q, packed = _packed_values(weight)
+        self.format = packed | (INT8_INPUTS if weight.input_bits == 8 else 0)  # the kernel's format code
         self.out_features, self.in_features = weight.shape
-        values, scales, offsets = kernels.pack_quantized(weight.q, weight.scale, weight.offset, self.format)
+        values, scales, offsets = kernels.pack_quantized(q, weight.scale, weight.offset, self.format)
         self.weight_bytes = values.nbytes + scales.nbytes + offsets.nbytes  # what one pass reads
         self.values = nn.Parameter(values, requires_grad=False)
         self.scales = nn.Parameter(scales, requires_grad=False)
@@ -158,6 +163,20 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, {self.source}, int{self.input_bits} inputs"
+
+
+def _packed_values(weight: QuantizedWeight) -> tuple[torch.Tensor, int]:
+    """The values the kernel packs and their format: 8-bit values that are all IQ4's table values
+    (an IQ4_NL or IQ4_XS matrix, or a fused projection of them) go as their 4-bit indices, half the
+    bytes, which the kernel looks up as it unpacks them (the same values, so the same sums)."""
+    if weight.bits == Q8 and weight.q.numel():
+        index = torch.full((256,), -1, dtype=torch.int16)
+        index[torch.tensor(IQ4_VALUES) + 128] = torch.arange(16, dtype=torch.int16)
+        if bool((index[weight.q[0].to(torch.int64) + 128] >= 0).all()):  # the first row, before all of them
+            indices = index[weight.q.to(torch.int64) + 128]
+            if bool((indices >= 0).all()):
+                return indices.to(torch.uint8), IQ4
+    return weight.q, weight.bits
 
 
 def quantized_linear(weight: QuantizedWeight, bias: torch.Tensor | None) -> nn.Module | None:
