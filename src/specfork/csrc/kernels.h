@@ -15,7 +15,8 @@ torch::Tensor pack_weight(const torch::Tensor& weight);
 torch::Tensor small_m_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_out,
                              const c10::optional<torch::Tensor>& bias);
 
-// quant_gemm.cpp: GGUF block-quantised weights (4-, 5-, 6- and 8-bit values: layers/gguf_blocks.py; int4 at load).
+// quant_gemm.cpp: GGUF block-quantised weights (4-, 5-, 6- and 8-bit values, IQ4's 4-bit indices:
+// layers/gguf_blocks.py; int4 at load).
 std::vector<torch::Tensor> pack_quantized(const torch::Tensor& q, const torch::Tensor& scale,
                                           const torch::Tensor& offset, int64_t format);
 torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& units, const torch::Tensor& scales,
