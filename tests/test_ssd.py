@@ -490,6 +490,45 @@ def test_the_drafter_runs_in_its_own_session_and_leaves_quietly_if_never_launche
         drafter.close()
 
 
+def test_a_request_to_a_stopped_drafter_process_fails_within_the_round_timeout():
+    """A request too large for the socket's buffer (an EAGLE-3 head's features for a big batch)
+    waits for the drafter to read it; a drafter stopped mid-round held the target's send for ever.
+    The send now gives up after the round's timeout, as the reply does."""
+    import signal
+    import threading
+    import time
+
+    from specfork.speculative.ssd.transport import DrafterError, DrafterProcess
+
+    drafter = DrafterProcess()
+    outcome = {}
+
+    def request():
+        started = time.perf_counter()
+        try:
+            drafter.send(("spec", b"x" * (16 << 20)), timeout=0.5)
+        except DrafterError as e:
+            outcome["error"] = str(e)
+        outcome["seconds"] = time.perf_counter() - started
+
+    try:
+        os.kill(drafter.pid, signal.SIGSTOP)
+        sender = threading.Thread(target=request, daemon=True)
+        sender.start()
+        sender.join(timeout=30)
+        assert not sender.is_alive(), "the send to a stopped drafter never returned"
+        assert "did not take a request within 0.5 s" in outcome["error"]
+        assert outcome["seconds"] < 5
+    finally:
+        drafter.close()
+    fresh = DrafterProcess()  # small messages, with a limit or without, go at once as before
+    try:
+        fresh.send(("spec", b"x" * 16), timeout=None)
+        fresh.send(("spec", b"x" * 16), timeout=2.0)
+    finally:
+        fresh.close()
+
+
 def test_sigterm_unwinds_a_command_like_ctrl_c(monkeypatch, capsys):
     """`kill` / `docker stop` ended `generate --mode ssd` by the signal's default action: the
     drafter was left to find out on its own, printing a traceback after the shell's prompt."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import struct
 import subprocess
 import sys
 import weakref
@@ -48,6 +49,7 @@ class DrafterProcess:
         )
         child_sock.close()
         self.conn = Connection(parent_sock.detach())
+        self._send_timeout: float | None = None
         self._finalizer = weakref.finalize(self, kill_processes, [self.process])
         if launch is not None:
             self.send(launch)
@@ -57,16 +59,31 @@ class DrafterProcess:
         return self.process.pid
 
     def send(self, message, timeout: float | None = None) -> None:
-        """Send ``message``; ``timeout``: how long a rank may take to accept it (a pipe's buffer
-        takes a message at once)."""
+        """Send ``message``; ``timeout``: how long the drafter may take to accept it (None: no
+        limit). The socket's buffer takes a small message at once; a large one (an EAGLE-3 head's
+        features for a big batch) waits for the drafter to read, and a drafter stopped mid-round
+        must fail the round within its timeout, not hold it for ever."""
         if self.conn.closed:
             raise DrafterError("the connection to the drafter process is closed")
         try:
             self._send(message, timeout)
+        except BlockingIOError:  # the send timeout passed (part of the message may have gone: the caller closes us)
+            raise DrafterError(f"the drafter process did not take a request within {timeout:.1f} s") from None
         except (OSError, ValueError) as e:
             raise DrafterError(f"the drafter process is gone ({type(e).__name__}: {e})") from None
 
     def _send(self, message, timeout: float | None) -> None:
+        if timeout != self._send_timeout:  # SO_SNDTIMEO: a blocked write gives up (EAGAIN) after it; 0: never
+            seconds = 0.0 if timeout is None else max(timeout, 1e-3)
+            whole = int(seconds)
+            # the connection's own socket, borrowed (no second descriptor, which would keep the
+            # socket open for the drafter after the connection closes)
+            sock = socket.socket(fileno=self.conn.fileno())
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", whole, int((seconds - whole) * 1e6)))
+            finally:
+                sock.detach()
+            self._send_timeout = timeout
         self.conn.send(message)
 
     def receive(self, timeout: float):
