@@ -14,7 +14,7 @@ from test_quantized import _gguf_weight
 
 from specfork.layers.gguf_blocks import from_gguf_blocks
 from specfork.layers.linear import make_linear
-from specfork.layers.quantized import QuantizedLinear, quantize_int4
+from specfork.layers.quantized import IQ4, QuantizedLinear, quantize_int4
 from specfork.native_kernels import kernels as native_kernels
 
 pytestmark = pytest.mark.skipif(native_kernels() is None, reason="native kernels need a C++ compiler")
@@ -68,6 +68,7 @@ def test_every_instruction_set_gives_identical_results(name, weight, input_bits)
     gen = torch.Generator().manual_seed(1)
     layer = make_linear(replace(weight, input_bits=input_bits), torch.randn(weight.shape[0], generator=gen))
     assert isinstance(layer, QuantizedLinear)
+    assert (layer.format & 15 == IQ4) == name.startswith("IQ4")  # IQ4's table format, not its values as Q8
     # int8 inputs go by quads of inputs: a group of 6 keeps int16 for that layer
     assert layer.input_bits == (16 if weight.group % 4 else input_bits)
     x = torch.randn(25, weight.shape[1], generator=gen)

@@ -24,7 +24,7 @@ from specfork import LLM, SamplingParams
 from specfork.layers.attention import read_kv
 from specfork.layers.gguf_blocks import BLOCK_BYTES, NATIVE_FORMATS, decode_blocks, from_gguf_blocks
 from specfork.layers.linear import DenseLinear, make_linear
-from specfork.layers.quantized import QuantizedLinear, QuantizedWeight, quantize_int4
+from specfork.layers.quantized import IQ4, Q8, QuantizedLinear, QuantizedWeight, quantize_int4
 from specfork.loading.gguf_export import export_gguf
 from specfork.native_kernels import kernels as native_kernels
 
@@ -195,6 +195,8 @@ def test_the_kernel_refuses_values_and_groups_beyond_a_format():
     q = torch.full((32, 64), 40, dtype=torch.uint8)  # a 6-bit value in a 5-bit weight
     with pytest.raises(RuntimeError, match="Q5 values must be 0..31"):
         kernels.pack_quantized(q, torch.ones(32, 2), torch.zeros(32, 2), 5)
+    with pytest.raises(RuntimeError, match="IQ4 indices must be 0..15"):  # an index past IQ4's 16 values
+        kernels.pack_quantized(torch.full((32, 64), 16, dtype=torch.uint8), torch.ones(32, 2), torch.zeros(32, 2), IQ4)
     packed = kernels.pack_quantized(torch.zeros(32, 128, dtype=torch.uint8), torch.ones(32, 2), torch.zeros(32, 2), 6)
     with pytest.raises(RuntimeError, match="groups of 64 inputs are not supported"):  # 6-bit sums allow 32
         kernels.quant_linear(torch.zeros(1, 128), *packed, 32, 6, None)
@@ -291,15 +293,16 @@ def quantized_ggufs(tiny_checkpoints, tmp_path_factory):
 # query, key and gate beside Q6_K values and embeddings, plus Q5_K, Q5_1 and Q5_0.
 K_MIX = {"token_embd": "Q6_K", "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_K",
          "ffn_gate": "Q4_K", "ffn_up": "Q5_1", "ffn_down": "Q5_0"}
-# An IQ4_XS file's matrices: IQ4_XS, with IQ4_NL where a row does not hold whole super-blocks, and a
-# Q4_K up projection beside an IQ4_XS gate (4-bit q lifted to the 8-bit form of IQ4's values).
-IQ4_MIX = {"token_embd": "IQ4_XS", "attn_q": "IQ4_XS", "attn_k": "IQ4_XS", "attn_v": "IQ4_XS", "attn_output": "IQ4_NL",
+# IQ4_XS and IQ4_NL matrices (an IQ4_XS file holds IQ4_NL where a row cannot hold whole super-blocks),
+# fused together (q/k/v), and a Q4_K up projection beside an IQ4_XS gate (its 4-bit q lifted to the
+# 8-bit form of IQ4's values, which then stays 8-bit).
+IQ4_MIX = {"token_embd": "IQ4_XS", "attn_q": "IQ4_XS", "attn_k": "IQ4_XS", "attn_v": "IQ4_NL", "attn_output": "IQ4_NL",
            "ffn_gate": "IQ4_XS", "ffn_up": "Q4_K", "ffn_down": "IQ4_NL"}
 
 
 @needs_kernel
 @pytest.mark.parametrize("model, sources", [("k-mix", {"q4_k+q6_k", "q5_k", "q4_k+q5_1", "q5_0", "q6_k"}),
-                                            ("iq4-mix", {"iq4_xs", "iq4_nl", "iq4_xs+q4_k"})])
+                                            ("iq4-mix", {"iq4_nl+iq4_xs", "iq4_nl", "iq4_xs+q4_k", "iq4_xs"})])
 def test_a_model_of_k_quants_and_five_bit_blocks_runs_native_and_close_to_gguf(quantized_ggufs, model, sources):
     """Every projection stays quantised (fused ones of mixed formats too), the logits stay within
     the fp16 rounding of the k-quants' and IQ4_XS's scales of the exactly dequantised model's, and
@@ -309,7 +312,11 @@ def test_a_model_of_k_quants_and_five_bit_blocks_runs_native_and_close_to_gguf(q
     linears = {name: type(m).__name__ for name, m in native.engine.loaded.model.named_modules()
                if type(m).__name__ in ("QuantizedLinear", "DenseLinear")}
     assert len(linears) == 9 and set(linears.values()) == {"QuantizedLinear"}, linears
-    assert {m.source for m in native.engine.loaded.model.modules() if isinstance(m, QuantizedLinear)} == sources
+    layers = [m for m in native.engine.loaded.model.modules() if isinstance(m, QuantizedLinear)]
+    assert {m.source for m in layers} == sources
+    for m in layers:  # IQ4's values, fused or not, packed as their 4-bit indices; beside other formats, 8-bit
+        iq4_only = set(m.source.split("+")) <= {"iq4_nl", "iq4_xs"}
+        assert (m.format == IQ4) == iq4_only and (m.format == Q8) == ("iq4" in m.source and not iq4_only), m
     _assert_close_to_dequantized(native, fp32, 5e-3, atol=2e-2)
 
 
@@ -377,7 +384,7 @@ def test_embedded_model_native_greedy_equals_fp32_except_near_ties(max_tokens):
                                                    ("q8_0", None, "native"), ("q4_1", "float32", "native"),
                                                    ("q4_1", None, "native-int8"), ("q8_0", None, "native-int8"),
                                                    ("k-mix", None, "native"), ("k-mix", None, "native-int8"),
-                                                   ("iq4-mix", None, "native")])
+                                                   ("iq4-mix", None, "native"), ("iq4-mix", None, "native-int8")])
 def test_one_native_call_per_forward_is_bit_identical_to_the_module_path(quantized_ggufs, out_type, kv, weights):
     """Decode and verify windows of two sequences: all layers and the LM head in one native call,
     one native call per layer, and the Python module path give the same logits, features and KV

@@ -169,14 +169,19 @@ def _packed_values(weight: QuantizedWeight) -> tuple[torch.Tensor, int]:
     """The values the kernel packs and their format: 8-bit values that are all IQ4's table values
     (an IQ4_NL or IQ4_XS matrix, or a fused projection of them) go as their 4-bit indices, half the
     bytes, which the kernel looks up as it unpacks them (the same values, so the same sums)."""
-    if weight.bits == Q8 and weight.q.numel():
-        index = torch.full((256,), -1, dtype=torch.int16)
-        index[torch.tensor(IQ4_VALUES) + 128] = torch.arange(16, dtype=torch.int16)
-        if bool((index[weight.q[0].to(torch.int64) + 128] >= 0).all()):  # the first row, before all of them
-            indices = index[weight.q.to(torch.int64) + 128]
-            if bool((indices >= 0).all()):
-                return indices.to(torch.uint8), IQ4
-    return weight.q, weight.bits
+    if weight.bits != Q8 or not weight.q.numel():
+        return weight.q, weight.bits
+    outside = 255
+    index = torch.full((256,), outside, dtype=torch.uint8)  # by the value's byte (int8 bits as uint8)
+    index[torch.tensor(IQ4_VALUES, dtype=torch.int8).view(torch.uint8).long()] = torch.arange(16, dtype=torch.uint8)
+    rows = max(1, (1 << 20) // weight.q.shape[1])  # a million values at a time: a few MB held, whatever the weight
+    indices = []
+    for chunk in weight.q.split(rows):
+        looked_up = index[chunk.view(torch.uint8).long()]
+        if bool((looked_up == outside).any()):  # not IQ4's values (the first rows of a Q8_0 matrix tell)
+            return weight.q, weight.bits
+        indices.append(looked_up)
+    return torch.cat(indices), IQ4
 
 
 def quantized_linear(weight: QuantizedWeight, bias: torch.Tensor | None) -> nn.Module | None:
