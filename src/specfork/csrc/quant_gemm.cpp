@@ -103,7 +103,9 @@ constexpr int planes_of(int64_t format) {
 }
 
 // c: the weights' integer zero (8, 16, 32 for Q4, Q5, Q6; 0 for Q8 and IQ4, whose values are signed).
-constexpr int32_t centre_of(int64_t format) { return nibbles_of(format) && !table_of(format) ? 1 << (planes_of(format) + 3) : 0; }
+constexpr int32_t centre_of(int64_t format) {
+  return nibbles_of(format) && !table_of(format) ? 1 << (planes_of(format) + 3) : 0;
+}
 
 template <int FMT>
 constexpr int planes() { return planes_of(FMT); }
@@ -139,9 +141,9 @@ constexpr int32_t kCentre = centre_of(FMT);
 
 // The largest group a format's int32 sums allow: with the nibble formats' odd fields held as 16 q
 // (see quant_gemm_tiles.inc) a partial sum may reach 16 * (c + q_max) * 32767 per input, within 2^31
-// for 128 inputs of Q4, 64 of Q5, 32 of Q6 (Q8 and IQ4: 128 * 32767 per input, any group to 128). (The vector sets' adds wrap, so only their final
-// centred sums must fit; the portable loop's int32 adds must never overflow at all, C++'s signed
-// overflow being undefined. GGUF's groups are 32 and 16.)
+// for 128 inputs of Q4, 64 of Q5, 32 of Q6 (Q8 and IQ4: 128 * 32767 per input, any group up to 128).
+// (The vector sets' adds wrap, so only their final centred sums must fit; the portable loop's int32
+// adds must never overflow at all, C++'s signed overflow being undefined. GGUF's groups are 32 and 16.)
 int64_t max_group(int64_t format) {
   const int64_t bits = format & ~kInt8Inputs;
   return bits == kQ5 ? 64 : bits == kQ6 ? 32 : kMaxGroup;
