@@ -53,6 +53,11 @@ def recv_frame(peer: int, group) -> bytes | None:
     return data
 
 
+class SendTimeout(ConnectionResetError):
+    """The peer did not take a message in time: hung, or busy past the timeout, rather than known
+    to be gone (a ConnectionResetError still, so that whoever ends on a lost peer ends on it)."""
+
+
 class RankConnection:
     """A ``multiprocessing.connection.Connection`` look-alike (send, poll, recv, close) to one
     peer rank.
@@ -95,6 +100,8 @@ class RankConnection:
         try:
             send_frame(pickle.dumps(message), self.peer, self._group, timeout)
         except RuntimeError as e:
+            if brief(e) == "timed out":
+                raise SendTimeout(f"rank {self.peer} did not take a message within {timeout.total_seconds():.1f} s") from None
             raise ConnectionResetError(f"rank {self.peer} is gone ({brief(e)})") from None
 
     def poll(self, timeout: float | None = 0.0) -> bool:

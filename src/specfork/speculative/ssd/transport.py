@@ -21,7 +21,7 @@ import sys
 import weakref
 from multiprocessing.connection import Connection
 
-from specfork.parallel.connection import CLOSE_TIMEOUT_S, RankConnection
+from specfork.parallel.connection import CLOSE_TIMEOUT_S, RankConnection, SendTimeout
 from specfork.parallel.world import kill_processes
 from specfork.speculative.ssd.messages import DrafterLaunch
 
@@ -67,8 +67,8 @@ class DrafterProcess:
             raise DrafterError("the connection to the drafter process is closed")
         try:
             self._send(message, timeout)
-        except BlockingIOError:  # the send timeout passed (part of the message may have gone: the caller closes us)
-            raise DrafterError(f"the drafter process did not take a request within {timeout:.1f} s") from None
+        except (BlockingIOError, SendTimeout):  # the send's timeout passed (part of the message may have gone: the caller closes us)
+            raise DrafterError(f"the drafter did not take a request within {timeout:.1f} s") from None
         except (OSError, ValueError) as e:
             raise DrafterError(f"the drafter process is gone ({type(e).__name__}: {e})") from None
 
