@@ -67,8 +67,9 @@ class DrafterProcess:
             raise DrafterError("the connection to the drafter process is closed")
         try:
             self._send(message, timeout)
-        except (BlockingIOError, SendTimeout):  # the send's timeout passed (part of the message may have gone: the caller closes us)
-            raise DrafterError(f"the drafter did not take a request within {timeout:.1f} s") from None
+        except (BlockingIOError, SendTimeout) as e:  # the send's timeout passed (part of the message may have gone: the caller closes us)
+            within = f"within {timeout:.1f} s" if timeout is not None else f"in time ({e})"  # None: the world's timeout
+            raise DrafterError(f"the drafter did not take a request {within}") from None
         except (OSError, ValueError) as e:
             raise DrafterError(f"the drafter process is gone ({type(e).__name__}: {e})") from None
 
