@@ -25,6 +25,10 @@ IQ4 = 12  # the kernel's format of 8-bit values that are all IQ4_VALUES: packed 
 # IQ4_NL's and IQ4_XS's 16 values, which their 4-bit indices select (ggml's kvalues_iq4nl; the
 # kernel's kIQ4Values).
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+_NOT_IQ4 = 255
+# Each int8 value's index in IQ4_VALUES (by its byte, as uint8), _NOT_IQ4 for the other values.
+_IQ4_INDEX = torch.full((256,), _NOT_IQ4, dtype=torch.uint8)
+_IQ4_INDEX[torch.tensor(IQ4_VALUES, dtype=torch.int8).view(torch.uint8).long()] = torch.arange(16, dtype=torch.uint8)
 INPUT_BITS = (16, 8)  # how finely the native kernel rounds activations (csrc/quant_gemm.cpp)
 INT8_INPUTS = 16  # the kernel's format flag for int8 activations
 MAX_GROUP = 128  # the native kernel's limit (csrc/quant_gemm.cpp, kMaxGroup)
@@ -171,14 +175,11 @@ def _packed_values(weight: QuantizedWeight) -> tuple[torch.Tensor, int]:
     bytes, which the kernel looks up as it unpacks them (the same values, so the same sums)."""
     if weight.bits != Q8 or not weight.q.numel():
         return weight.q, weight.bits
-    outside = 255
-    index = torch.full((256,), outside, dtype=torch.uint8)  # by the value's byte (int8 bits as uint8)
-    index[torch.tensor(IQ4_VALUES, dtype=torch.int8).view(torch.uint8).long()] = torch.arange(16, dtype=torch.uint8)
     rows = max(1, (1 << 20) // weight.q.shape[1])  # a million values at a time: a few MB held, whatever the weight
     indices = []
     for chunk in weight.q.split(rows):
-        looked_up = index[chunk.view(torch.uint8).long()]
-        if bool((looked_up == outside).any()):  # not IQ4's values (the first rows of a Q8_0 matrix tell)
+        looked_up = _IQ4_INDEX[chunk.view(torch.uint8).long()]
+        if bool((looked_up == _NOT_IQ4).any()):  # not IQ4's values (the first rows of a Q8_0 matrix tell)
             return weight.q, weight.bits
         indices.append(looked_up)
     return torch.cat(indices), IQ4

@@ -49,7 +49,6 @@ class DrafterProcess:
         )
         child_sock.close()
         self.conn = Connection(parent_sock.detach())
-        self._send_timeout: float | None = None
         self._finalizer = weakref.finalize(self, kill_processes, [self.process])
         if launch is not None:
             self.send(launch)
@@ -74,17 +73,16 @@ class DrafterProcess:
             raise DrafterError(f"the drafter process is gone ({type(e).__name__}: {e})") from None
 
     def _send(self, message, timeout: float | None) -> None:
-        if timeout != self._send_timeout:  # SO_SNDTIMEO: a blocked write gives up (EAGAIN) after it; 0: never
-            seconds = 0.0 if timeout is None else max(timeout, 1e-3)
-            whole = int(seconds)
-            # the connection's own socket, borrowed (no second descriptor, which would keep the
-            # socket open for the drafter after the connection closes)
-            sock = socket.socket(fileno=self.conn.fileno())
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", whole, int((seconds - whole) * 1e6)))
-            finally:
-                sock.detach()
-            self._send_timeout = timeout
+        # SO_SNDTIMEO: a blocked write gives up (EAGAIN) after it; 0: never. Set on the connection's
+        # own socket, borrowed (a second descriptor would keep the socket open for the drafter
+        # after the connection closes).
+        seconds = 0.0 if timeout is None else max(timeout, 1e-3)
+        whole = int(seconds)
+        sock = socket.socket(fileno=self.conn.fileno())
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", whole, int((seconds - whole) * 1e6)))
+        finally:
+            sock.detach()
         self.conn.send(message)
 
     def receive(self, timeout: float):
