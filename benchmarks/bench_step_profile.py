@@ -76,31 +76,48 @@ def module_split_ms(model, forward, rows: int, repeat: int, warmup: int = 3) -> 
     return tuple(median(x) * 1e3 for x in (totals, parts["linear"], parts["attention"]))
 
 
-def engine_step_ms(llm, prompt: list[int], max_tokens: int = 64) -> tuple[float, float | None]:
-    """Median ms of one full engine decode step (forward, sampling, scheduling, stop checks), and
-    the median ms of those steps spent inside the one native call (None without it)."""
+def engine_step_ms(llm, prompt: list[int], max_tokens: int = 64) -> tuple[float, float | None, float | None]:
+    """Median ms of one full engine decode step (forward, sampling, scheduling, stop checks); the
+    median ms of those steps spent inside the one native call; and the median ms of a step whose
+    native call is replaced by its last result, returned at once (the two None without the call).
+
+    The last is Python's own work with its code and data still in the caches: a real native call
+    streams every weight of the model (more than the caches hold) through them, so the Python
+    after it first reads back from memory what it needs."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate([prompt], params)  # warm-up
     model = llm.engine.loaded.model
-    stack, native = model.fused_stack, []
+    stack, native, last = model.fused_stack, [], []
 
     def timed_stack(*args):
         out, seconds = timed(stack, *args)
         native[-1] += seconds
+        last[:] = [out]
         return out
 
-    seq = llm.engine.add_request(prompt, params)
-    steps = []
-    if stack is not None:
-        model.fused_stack = timed_stack
-    try:
-        while not seq.is_finished:
-            native.append(0.0)
-            steps.append(timed(llm.engine.step)[1])
-    finally:
-        model.fused_stack = stack
-    # the first step is the prefill
-    return median(steps[1:]) * 1e3, (median(native[1:]) * 1e3 if stack is not None else None)
+    def replayed_stack(x, *args):
+        return last[0] if x.shape[0] == 1 else stack(x, *args)  # a decode row; a prefill runs
+
+    def decode_steps(stack_in_use) -> list[float]:
+        seq = llm.engine.add_request(prompt, params)
+        steps = []
+        if stack is not None:
+            model.fused_stack = stack_in_use
+        try:
+            while not seq.is_finished:
+                native.append(0.0)
+                steps.append(timed(llm.engine.step)[1])
+        finally:
+            model.fused_stack = stack
+        return steps[1:]  # the first step is the prefill
+
+    steps = decode_steps(timed_stack)
+    if stack is None:
+        return median(steps) * 1e3, None, None
+    native_ms = median(native[1:]) * 1e3
+    native.clear()
+    warm = decode_steps(replayed_stack)
+    return median(steps) * 1e3, native_ms, median(warm) * 1e3
 
 
 def profile(model_name: str, weights: str, threads: int, context: int, repeat: int, max_rows: int,
@@ -119,12 +136,15 @@ def profile(model_name: str, weights: str, threads: int, context: int, repeat: i
         split = f"{lin:9.2f}  {att:12.2f}  {f - lin - att:8.2f}"
         print(f"  {rows:4d}  {plain:10.2f}  " + (f"{f:24.2f}  " if has_fused else "") + split)
     gen = torch.Generator().manual_seed(0)
-    decode, native = engine_step_ms(llm, torch.randint(0, llm.vocab_size, (context,), generator=gen).tolist())
+    decode, native, warm = engine_step_ms(llm, torch.randint(0, llm.vocab_size, (context,), generator=gen).tolist())
     print(f"  one engine decode step (forward + sampling + scheduling): {decode:.2f} ms = {1000 / decode:.1f} tok/s")
     if native is not None:
         print(f"  of which inside the one native call (all layers and the LM head): {native:.2f} ms; outside it "
               f"(Python: scheduling, embedding lookup, rope tables, sampling, outputs): {decode - native:.2f} ms "
               f"= {100 * (decode - native) / decode:.1f}% of the step")
+        print(f"  the same Python with the native call replaced by its last result (its code and data left in the "
+              f"caches, where a real call streams the weights through them): {warm:.2f} ms = {100 * warm / decode:.1f}% "
+              f"of the step")
     rate = linear_bytes / (decode / 1e3) / 1e9
     print(f"  weights streamed at that rate: {rate:.1f} GB/s = {100 * rate / bandwidth:.0f}% of the "
           f"{bandwidth:.1f} GB/s this machine reads with {threads} threads")
