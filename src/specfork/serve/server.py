@@ -35,7 +35,8 @@ class ServerSettings:
                                        "they end with finish_reason abort", flag="--graceful-timeout")
     log_level: str = option("warning", cli=False)  # the command's --log-level
     max_request_bytes: int = option(DEFAULT_MAX_REQUEST_BYTES, "larger request bodies are refused with 413")
-    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on every /v1 route (401 otherwise); the "
+    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on every /v1 route and on /tokenize and /detokenize (401 "
+                                 "otherwise; /health and /metrics stay open); the "
                                  "environment variable SPECFORK_API_KEY sets it without showing it in the process "
                                  "list")
 
