@@ -23,6 +23,7 @@ from specfork.bench.forward import forward_ms, prefilled, unfused
 from specfork.bench.machine import read_bandwidth, weight_bytes
 from specfork.bench.timing import median, timed
 from specfork.layers import attention as attention_module
+from specfork.layers.fused_layer import FusedDecoderStack
 from specfork.layers.linear import DenseLinear
 from specfork.layers.quantized import QuantizedLinear
 
@@ -120,6 +121,37 @@ def engine_step_ms(llm, prompt: list[int], max_tokens: int = 64) -> tuple[float,
     return median(steps) * 1e3, native_ms, median(warm) * 1e3
 
 
+def greedy_run_ms(llm, prompt: list[int], max_tokens: int = 129) -> tuple[float, float] | None:
+    """Per token, the mean ms of decoding with the engine's greedy steps (several decode steps in one
+    native call, ``--greedy-steps``) and the mean ms of it inside those calls; None where the engine
+    decodes one step a call."""
+    if getattr(llm.engine.step_strategy, "greedy_steps", 1) == 1:
+        return None
+    stack = llm.engine.loaded.model.fused_stack
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    native = [0.0]
+
+    def timed_greedy(*args):
+        out, seconds = timed(FusedDecoderStack.greedy, stack, *args)
+        native[0] += seconds
+        return out
+
+    stack.greedy = timed_greedy
+    try:
+        seq = llm.engine.add_request(prompt, params)
+        llm.engine.step()  # the prefill
+
+        def decode_to_the_end() -> None:
+            while not seq.is_finished:
+                llm.engine.step()
+
+        _, total = timed(decode_to_the_end)
+    finally:
+        del stack.greedy
+    tokens = len(seq.output_token_ids) - 1
+    return total / tokens * 1e3, native[0] / tokens * 1e3
+
+
 def profile(model_name: str, weights: str, threads: int, context: int, repeat: int, max_rows: int,
             bandwidth: float) -> None:
     llm = LLM(model_name, threads=threads, weights=weights, kv_cache_tokens=context + 4096)
@@ -136,7 +168,8 @@ def profile(model_name: str, weights: str, threads: int, context: int, repeat: i
         split = f"{lin:9.2f}  {att:12.2f}  {f - lin - att:8.2f}"
         print(f"  {rows:4d}  {plain:10.2f}  " + (f"{f:24.2f}  " if has_fused else "") + split)
     gen = torch.Generator().manual_seed(0)
-    decode, native, warm = engine_step_ms(llm, torch.randint(0, llm.vocab_size, (context,), generator=gen).tolist())
+    prompt = torch.randint(0, llm.vocab_size, (context,), generator=gen).tolist()
+    decode, native, warm = engine_step_ms(llm, prompt)
     print(f"  one engine decode step (forward + sampling + scheduling): {decode:.2f} ms = {1000 / decode:.1f} tok/s")
     if native is not None:
         print(f"  of which inside the one native call (all layers and the LM head): {native:.2f} ms; outside it "
@@ -145,6 +178,12 @@ def profile(model_name: str, weights: str, threads: int, context: int, repeat: i
         print(f"  the same Python with the native call replaced by its last result (its code and data left in the "
               f"caches, where a real call streams the weights through them): {warm:.2f} ms = {100 * warm / decode:.1f}% "
               f"of the step")
+    run = greedy_run_ms(llm, prompt)
+    if run is not None:
+        per_token, inside = run
+        print(f"  with --greedy-steps {llm.engine.step_strategy.greedy_steps} (decode steps back to back in one native "
+              f"call): {per_token:.2f} ms a token = {1000 / per_token:.1f} tok/s, {per_token - inside:.2f} ms of it "
+              f"outside the calls = {100 * (per_token - inside) / per_token:.1f}%")
     rate = linear_bytes / (decode / 1e3) / 1e9
     print(f"  weights streamed at that rate: {rate:.1f} GB/s = {100 * rate / bandwidth:.0f}% of the "
           f"{bandwidth:.1f} GB/s this machine reads with {threads} threads")

@@ -118,6 +118,9 @@ class DecoderStack {
                                      const torch::Tensor& block_tables, const torch::Tensor& seq_of,
                                      const torch::Tensor& pos_of, const torch::Tensor& slot_mapping,
                                      const std::vector<int64_t>& capture, bool logits);
+  torch::Tensor greedy(const torch::Tensor& x, const torch::Tensor& embedding, const std::vector<torch::Tensor>& caches,
+                       const torch::Tensor& cos, const torch::Tensor& sin_signed, const torch::Tensor& block_tables,
+                       const torch::Tensor& seq_of, const torch::Tensor& pos_of, const torch::Tensor& slot_mapping);
 
  private:
   HeldWeights weights_;  // the layers; projections: the LM head, if any; floats: the final norm

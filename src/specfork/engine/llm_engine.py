@@ -110,16 +110,22 @@ class LLMEngine:
             max_rows=config.k_max + 1,
         )
         self.block_manager = BlockManager(num_blocks, config.block_size, prefix_caching=config.prefix_caching)
-        capacity = num_blocks * config.block_size - config.lookahead
+        # KV slots a decode step writes past the next token: a verify window's, or plain decoding's
+        # greedy steps in one call where the runner runs them (engine/step.py).
+        greedy = config.mode == "ar" and config.greedy_steps > 1 and self.runner.decodes_greedily
+        lookahead = config.greedy_steps - 1 if greedy else config.lookahead
+        capacity = num_blocks * config.block_size - lookahead
         if requested_len is not None and requested_len > capacity:
             raise SpecforkError(
                 f"max_model_len {requested_len} does not fit in the KV cache, which holds {capacity} tokens "
-                f"({num_blocks} blocks of {config.block_size}{', less the lookahead of k' if config.lookahead else ''}); "
+                f"({num_blocks} blocks of {config.block_size}"
+                f"{(', less the lookahead of --greedy-steps' if greedy else ', less the lookahead of k') if lookahead else ''}); "
                 "give a larger --kv-cache-tokens (num_kv_blocks) or a smaller --max-model-len"
             )
         self.max_model_len = min(requested_len or arch.max_position_embeddings, capacity)
         self.num_kv_blocks = num_blocks
-        self.step_strategy: Step = build_step(self) if build_step else AutoregressiveStep(self.runner)
+        self.step_strategy: Step = (build_step(self) if build_step
+                                    else AutoregressiveStep(self.runner, config.greedy_steps, self.max_model_len))
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,

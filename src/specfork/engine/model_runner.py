@@ -262,6 +262,33 @@ class ModelRunner:
             return self.model(ids, pos, self.kv_caches, meta, logits=logits)
         return self.model(ids, pos, self.kv_caches, meta, self.feature_layers, logits=logits)
 
+    @property
+    def decodes_greedily(self) -> bool:
+        """Whether ``decode_greedy`` runs here: the model's one-call native path (CPU), one process
+        (no tensor-parallel shards to drive), no features to capture."""
+        return (self.model.decodes_greedily and self.parallel is None and not self.feature_layers
+                and self.graphs is None and self.native_attention_available)
+
+    @torch.inference_mode()
+    def decode_greedy(self, seqs, steps: int) -> list[list[int]]:
+        """``steps`` greedy tokens for each of ``seqs`` (each with its one uncached token and KV
+        blocks for ``steps`` positions), computed by the model's decode steps back to back in one
+        native call, each step's argmax the next one's input; the caches end as ``steps`` decode
+        steps leave them (``decodes_greedily`` must hold)."""
+        starts = [s.num_cached_tokens for s in seqs]
+        windows = [[s.token_ids[-1]] + [0] * (steps - 1) for s in seqs]  # the later ids come from the call
+        _, pos, meta = self.prepare(seqs, starts, windows, None, self.deterministic, decode=True)
+        if not meta.one_call:
+            raise RuntimeError("decode_greedy needs the model's one-call native path")
+        batch = len(seqs)
+        meta.seq_index = torch.arange(batch, dtype=torch.long, device=self.device)
+        positions, slots = (t.view(batch, steps).t().contiguous() for t in (pos, meta.slot_mapping))
+        first = torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.long, device=self.device)
+        tokens = self.model.greedy_decode(first, positions, self.kv_caches, meta, slots)
+        for seq in seqs:
+            seq.num_cached_tokens += steps
+        return tokens.t().tolist()
+
     def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         if len(rows) != hidden.shape[0]:
             hidden = hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=self.device))

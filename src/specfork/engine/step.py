@@ -86,19 +86,47 @@ def _logprobs(row: torch.Tensor, token: int, seq: Sequence) -> list[TokenLogprob
 
 
 class AutoregressiveStep:
-    """Plain decoding: one forward pass, one new token per sequence."""
+    """Plain decoding: one forward pass, one new token per sequence; or, where the runner can and
+    every sequence of a decode batch is greedy with nothing to adjust or report (no logit
+    adjustments, no log-probabilities), up to ``greedy_steps`` decode steps back to back in one
+    native call, each sequence taking their tokens (the same tokens, without Python between the
+    steps: ``ModelRunner.decode_greedy``)."""
 
-    lookahead = 0
-
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, greedy_steps: int = 1, max_model_len: int | None = None) -> None:
         self.runner = runner
+        self.greedy_steps = greedy_steps if runner.decodes_greedily else 1
+        self.lookahead = self.greedy_steps - 1  # KV slots a decode step may write past the next token
+        self.max_model_len = max_model_len
 
     def execute(self, batch: ScheduledBatch) -> dict[Sequence, NewTokens]:
+        steps = self._greedy_steps(batch)
+        if steps > 1:
+            tokens = self.runner.decode_greedy(batch.seqs, steps)
+            return {s: NewTokens(ids) for s, ids in zip(batch.seqs, tokens, strict=True)}
         logits = self.runner.run_batch(batch)
         sampling = [s for s, samples in zip(batch.seqs, batch.samples, strict=True) if samples]
         if not sampling:
             return {}
         return sample_new_tokens(logits, sampling)
+
+    def _greedy_steps(self, batch: ScheduledBatch) -> int:
+        """How many greedy decode steps ``batch`` runs in one call: 1 unless it is a decode batch of
+        greedy requests with nothing to adjust or report; never past a request's max_tokens or the
+        model's length (a request that stops earlier, at EOS or a stop string, takes the tokens up
+        to it and the rest are dropped, as a speculative round's are)."""
+        if self.greedy_steps == 1 or batch.is_prefill or any(n != 1 for n in batch.num_new_tokens):
+            return 1
+        if not self.runner.decodes_greedily:  # the one-call path taken away since (a benchmark's module path)
+            return 1
+        steps = self.greedy_steps
+        for seq in batch.seqs:
+            params = seq.params
+            if not params.greedy or params.logprobs is not None or seq.history().adjusts:
+                return 1
+            steps = min(steps, params.max_tokens - seq.num_output_tokens)
+            if self.max_model_len is not None:
+                steps = min(steps, self.max_model_len - len(seq))
+        return max(steps, 1)
 
     def committed(self, seq: Sequence) -> None:
         pass

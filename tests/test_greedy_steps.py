@@ -1,0 +1,149 @@
+"""Several greedy decode steps in one native call (``--greedy-steps``): the same tokens as one step
+at a time, taken only where nothing is adjusted or reported, bounded by max_tokens and the model's
+length."""
+
+from __future__ import annotations
+
+import pytest
+
+from specfork import LLM, SamplingParams
+from specfork.native_kernels import kernels
+
+pytestmark = pytest.mark.skipif(kernels() is None, reason="needs the native CPU kernels (the one-call path)")
+
+PROMPTS = [
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    [{"role": "user", "content": "Give me three tips for writing clear emails."}],
+    [{"role": "user", "content": "Write a Python function that reverses a linked list."}],
+    "The capital of France is",
+]
+
+
+def encoded(llm: LLM) -> list[list[int]]:
+    return [llm.engine.encode_chat(p) if isinstance(p, list) else llm.engine.encode_prompt(p) for p in PROMPTS]
+
+
+class CallCounter:
+    """Counts the runner's multi-step calls and the steps they ran (installed on one engine)."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.calls, self.steps = 0, []
+        runner = llm.engine.runner
+        original = runner.decode_greedy
+
+        def counted(seqs, steps):
+            self.calls += 1
+            self.steps.append(steps)
+            return original(seqs, steps)
+
+        runner.decode_greedy = counted
+
+
+@pytest.fixture(scope="module")
+def engines():
+    one = LLM(greedy_steps=1, kv_cache_tokens=4096)
+    many = LLM(greedy_steps=4, kv_cache_tokens=4096)
+    assert many.engine.step_strategy.greedy_steps == 4 and one.engine.step_strategy.greedy_steps == 1
+    return one, many
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_greedy_steps_give_the_tokens_of_one_step_at_a_time(engines, batched):
+    one, many = engines
+    counter = CallCounter(many)
+    ids = encoded(one)
+    params = SamplingParams(temperature=0.0, max_tokens=59, ignore_eos=True)  # the prefill's 1 + 14 x 4 + 2
+    if batched:
+        expected = [o.token_ids for o in one.generate(ids, params)]
+        got = [o.token_ids for o in many.generate(ids, params)]
+    else:
+        expected = [one.generate([p], params)[0].token_ids for p in ids]
+        got = [many.generate([p], params)[0].token_ids for p in ids]
+    assert got == expected
+    assert all(len(t) == 59 for t in got)
+    assert counter.calls >= 15 and max(counter.steps) == 4 and min(counter.steps) == 2
+
+
+def test_greedy_steps_stop_where_one_step_at_a_time_stops(engines):
+    """At EOS and at a stop string the tokens a call computed past them are dropped."""
+    one, many = engines
+    ids = encoded(one)
+    for params in (SamplingParams(temperature=0.0, max_tokens=200),
+                   SamplingParams(temperature=0.0, max_tokens=200, stop=[".", "\n"], ignore_eos=True)):
+        expected = one.generate(ids, params)
+        got = many.generate(ids, params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+        assert [o.text for o in got] == [o.text for o in expected]
+        assert [o.finish_reason for o in got] == [o.finish_reason for o in expected]
+    assert any(o.finish_reason == "stop" for o in expected)
+
+
+def test_a_request_with_something_to_adjust_or_report_decodes_one_step_at_a_time(engines):
+    one, many = engines
+    ids = encoded(one)[:2]
+    plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    for other in (SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2),
+                  SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.2),
+                  SamplingParams(temperature=0.7, max_tokens=24, ignore_eos=True, seed=3)):
+        counter = CallCounter(many)
+        got = many.generate(ids, [plain, other])
+        expected = one.generate(ids, [plain, other])
+        assert counter.calls == 0  # sharing a batch with such a request, the plain one waits for it
+        assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+
+
+def test_greedy_steps_end_at_the_models_length():
+    """A request that reaches the model's length takes the last tokens it may, in a shorter call."""
+    one = LLM(greedy_steps=1, max_model_len=64, kv_cache_tokens=1024)
+    many = LLM(greedy_steps=4, max_model_len=64, kv_cache_tokens=1024)
+    counter = CallCounter(many)
+    prompt = one.engine.encode_prompt("def fibonacci(n):\n")
+    params = SamplingParams(temperature=0.0, max_tokens=64 - len(prompt), ignore_eos=True)
+    expected, got = one.generate([prompt], params)[0], many.generate([prompt], params)[0]
+    assert got.token_ids == expected.token_ids and len(prompt) + len(got.token_ids) == 64
+    assert counter.calls > 0 and sum(counter.steps) == len(got.token_ids) - 1  # the first token comes from the prefill
+
+
+def test_greedy_steps_in_deterministic_mode_equal_ar_one_step_at_a_time():
+    one = LLM(greedy_steps=1, deterministic=True, kv_cache_tokens=4096)
+    many = LLM(greedy_steps=3, deterministic=True, kv_cache_tokens=4096)
+    ids = encoded(one)[1:3]
+    params = SamplingParams(temperature=0.0, max_tokens=25, ignore_eos=True)
+    counter = CallCounter(many)
+    assert [o.token_ids for o in many.generate(ids, params)] == [o.token_ids for o in one.generate(ids, params)]
+    assert counter.calls == 8
+
+
+def test_greedy_steps_break_ties_as_the_sampler_does(tiny_checkpoints, tmp_path):
+    """A tiny tied model whose embedding rows are all equal has every logit equal: each step's
+    argmax is then the first token, as the sampler's (NumPy's, torch's) argmax chooses."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from specfork.loading.gguf_export import export_gguf
+
+    source = tiny_checkpoints["llama-gqa-tied"].path
+    flat = tmp_path / "flat"
+    shutil.copytree(source, flat)
+    weights = load_file(flat / "model.safetensors")
+    embedding = weights["model.embed_tokens.weight"]
+    weights["model.embed_tokens.weight"] = embedding[5:6].expand_as(embedding).contiguous()
+    save_file(weights, flat / "model.safetensors")
+    path = export_gguf(flat, tmp_path / "flat-q8_0.gguf", vocab_from=None, out_type="q8_0")
+    many = LLM(str(path), greedy_steps=4, kv_cache_tokens=512)
+    assert many.engine.step_strategy.greedy_steps == 4
+    counter = CallCounter(many)
+    params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
+    got = many.generate([[3, 7, 1]], params)[0].token_ids
+    expected = LLM(str(path), greedy_steps=1, kv_cache_tokens=512).generate([[3, 7, 1]], params)[0].token_ids
+    assert got == expected == [0] * 9 and counter.calls == 2
+
+
+def test_greedy_steps_must_be_positive_and_are_plain_decodings():
+    from specfork.errors import SpecforkError
+
+    with pytest.raises(SpecforkError, match="greedy_steps must be an integer >= 1"):
+        LLM(greedy_steps=0)
+    with pytest.raises(SpecforkError, match="--greedy-steps sets how many greedy decode steps plain decoding"):
+        LLM(mode="sd", greedy_steps=2)
