@@ -92,6 +92,26 @@ def test_a_request_with_something_to_adjust_or_report_decodes_one_step_at_a_time
         assert [o.token_ids for o in got] == [o.token_ids for o in expected]
 
 
+def test_greedy_steps_under_kv_pressure_with_uneven_requests(engines):
+    """A cache too small for the batch (sequences preempted and recomputed), requests with
+    different max_tokens in one batch (the shortest bounds a call) and one that stops at a stop
+    token id: the tokens of one step at a time."""
+    one, _ = engines
+    ids = encoded(one)
+    stop_id = one.generate([ids[3]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0].token_ids[9]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (40, 7, 33)]
+    params.append(SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop_id]))
+    results = {}
+    for steps in (1, 4):
+        tight = LLM(greedy_steps=steps, num_kv_blocks=8, block_size=16, max_num_seqs=4)
+        counter = CallCounter(tight) if steps > 1 else None
+        results[steps] = [o.token_ids for o in tight.generate(ids, params)]
+        assert tight.engine.scheduler.num_preemptions > 0
+    assert results[4] == results[1]
+    assert [len(t) for t in results[4]][:3] == [40, 7, 33] and results[4][3][-1] == stop_id
+    assert counter.calls > 0
+
+
 def test_greedy_steps_end_at_the_models_length():
     """A request that reaches the model's length takes the last tokens it may, in a shorter call."""
     one = LLM(greedy_steps=1, max_model_len=64, kv_cache_tokens=1024)
@@ -102,6 +122,20 @@ def test_greedy_steps_end_at_the_models_length():
     expected, got = one.generate([prompt], params)[0], many.generate([prompt], params)[0]
     assert got.token_ids == expected.token_ids and len(prompt) + len(got.token_ids) == 64
     assert counter.calls > 0 and sum(counter.steps) == len(got.token_ids) - 1  # the first token comes from the prefill
+
+
+def test_greedy_steps_keep_the_caches_whole_length():
+    """Greedy steps stop at the model's length, so plain decoding keeps every slot of a small cache
+    (a verify window's k is cut from it in SD): requests run to the cache's length, whatever length
+    their last call starts from."""
+    many = LLM(greedy_steps=4, num_kv_blocks=4, block_size=16)
+    assert many.engine.max_model_len == 64 and many.engine.step_strategy.greedy_steps == 4
+    words = many.engine.encode_prompt("def fibonacci(n):\n    return n")
+    for length in (5, 6, 7, 8):  # every residue of the steps, so one request's last call starts at 63
+        prompt = words[:length]
+        params = SamplingParams(temperature=0.0, max_tokens=64 - length, ignore_eos=True)
+        out = many.generate([prompt], params)[0]
+        assert len(prompt) + len(out.token_ids) == 64 and out.finish_reason == "length"
 
 
 def test_greedy_steps_in_deterministic_mode_equal_ar_one_step_at_a_time():
@@ -145,5 +179,7 @@ def test_greedy_steps_must_be_positive_and_are_plain_decodings():
 
     with pytest.raises(SpecforkError, match="greedy_steps must be an integer >= 1"):
         LLM(greedy_steps=0)
+    with pytest.raises(SpecforkError, match="greedy_steps must be at most 32"):
+        LLM(greedy_steps=33)
     with pytest.raises(SpecforkError, match="--greedy-steps sets how many greedy decode steps plain decoding"):
         LLM(mode="sd", greedy_steps=2)

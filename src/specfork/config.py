@@ -29,6 +29,7 @@ DEFAULT_QUANTIZE_GROUP = 32
 K_MAX = 8  # the most tokens k "auto" may propose in a round
 SSD_DEFAULT_K = 5  # SSD's k when none is given (SD's is "auto")
 DEFAULT_GREEDY_STEPS = 4  # plain decoding's greedy decode steps per native call (docs/decisions.md)
+MAX_GREEDY_STEPS = 32
 SD_ONLY = ("draft_confidence", "ngram_min", "ngram_max", "lookup_first")  # speculative options SSD does not read
 MAX_THREADS = 1024  # --threads beyond this crashes OpenMP (thread creation fails, or a segfault)
 
@@ -193,6 +194,9 @@ class Config:
         _positive("kv_cache_tokens", self.kv_cache_tokens)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("greedy_steps", self.greedy_steps)
+        if self.greedy_steps > MAX_GREEDY_STEPS:
+            raise SpecforkError(f"greedy_steps must be at most {MAX_GREEDY_STEPS} (each decode step reserves KV slots "
+                                f"for them all, and they save little past a few), got {self.greedy_steps}")
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         if self.num_kv_blocks is not None:
             _positive("num_kv_blocks", self.num_kv_blocks)

@@ -485,7 +485,9 @@ torch::Tensor DecoderStack::greedy(const torch::Tensor& x, const torch::Tensor& 
     const auto logits = forward(in, caches, cos, sin, block_tables, seq_of, pos_of[s], slot_mapping[s], {}, true)[2];
     const int64_t V = logits.size(1);
     TORCH_CHECK(V <= embedding.size(0), "DecoderStack.greedy: the LM head has more outputs than the embedding rows");
-    for (int64_t b = 0; b < B; ++b) ids[s * B + b] = first_argmax(logits.data_ptr<float>() + b * V, V);
+    const float* rows = logits.data_ptr<float>();
+#pragma omp parallel for num_threads(at::get_num_threads()) if (B > 1)
+    for (int64_t b = 0; b < B; ++b) ids[s * B + b] = first_argmax(rows + b * V, V);
     if (s + 1 < steps) in = embedding.index_select(0, tokens[s]);
   }
   return tokens;

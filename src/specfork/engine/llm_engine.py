@@ -110,16 +110,13 @@ class LLMEngine:
             max_rows=config.k_max + 1,
         )
         self.block_manager = BlockManager(num_blocks, config.block_size, prefix_caching=config.prefix_caching)
-        # KV slots a decode step writes past the next token: a verify window's, or plain decoding's
-        # greedy steps in one call where the runner runs them (engine/step.py).
-        greedy = config.mode == "ar" and config.greedy_steps > 1 and self.runner.decodes_greedily
-        lookahead = config.greedy_steps - 1 if greedy else config.lookahead
-        capacity = num_blocks * config.block_size - lookahead
+        # KV slots a verify window writes past the next token cut the usable length (plain
+        # decoding's greedy steps stop at the model's length: the scheduler's lookahead_limit).
+        capacity = num_blocks * config.block_size - config.lookahead
         if requested_len is not None and requested_len > capacity:
             raise SpecforkError(
                 f"max_model_len {requested_len} does not fit in the KV cache, which holds {capacity} tokens "
-                f"({num_blocks} blocks of {config.block_size}"
-                f"{(', less the lookahead of --greedy-steps' if greedy else ', less the lookahead of k') if lookahead else ''}); "
+                f"({num_blocks} blocks of {config.block_size}{', less the lookahead of k' if config.lookahead else ''}); "
                 "give a larger --kv-cache-tokens (num_kv_blocks) or a smaller --max-model-len"
             )
         self.max_model_len = min(requested_len or arch.max_position_embeddings, capacity)
@@ -132,6 +129,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             on_release=self._release,
             prefix_user=self.step_strategy,
+            lookahead_limit=self.max_model_len if build_step is None else None,
         )
         self.eos_token_ids = frozenset(arch.eos_token_ids)
         self.grammars = GrammarCompiler(self.loaded.tokenizer, arch.vocab_size, self.eos_token_ids)

@@ -66,8 +66,13 @@ class Scheduler:
         max_num_batched_tokens: int,
         on_release: Callable[[Sequence], None] | None = None,
         prefix_user: PrefixUser | None = None,
+        lookahead_limit: int | None = None,
     ) -> None:
         self.blocks = block_manager
+        # Where a step never writes past the model's length (plain decoding's greedy steps stop
+        # there), its lookahead reserves no slots beyond it either; a verify window does not stop,
+        # so SD's engine leaves this None and its KV capacity is cut by k instead.
+        self.lookahead_limit = lookahead_limit
         self.on_release = on_release  # told when a sequence's KV is dropped (preempted or finished)
         self.prefix_user = prefix_user  # asked how much of a cached prefix a sequence may take
         self.max_num_seqs = max_num_seqs
@@ -171,6 +176,8 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             need = len(seq) + lookahead
+            if self.lookahead_limit is not None:
+                need = max(len(seq), min(need, self.lookahead_limit))
             while not self.blocks.can_grow(seq, need):
                 victim = self.running[-1]
                 self._preempt(victim)
