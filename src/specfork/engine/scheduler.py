@@ -89,7 +89,8 @@ class Scheduler:
 
     def schedule(self, lookahead: int = 0) -> ScheduledBatch | None:
         """Pick the next batch. Decode steps reserve ``1 + lookahead`` slots per sequence
-        (speculative steps write several tokens)."""
+        (speculative steps and plain decoding's greedy steps write several tokens; the latter's
+        reservation stops at ``lookahead_limit``)."""
         batch = self._schedule_prefill()
         if batch is not None:
             return batch
