@@ -451,6 +451,7 @@ std::vector<torch::Tensor> DecoderStack::forward(const torch::Tensor& x_in, cons
   return {hidden, features, logits};
 }
 
+namespace {
 // The row's greedy token: its largest logit, the first one on ties, and the first NaN where there is
 // one (as the sampler's argmax, specfork/sampling.py's greedy_tokens, and torch.argmax choose).
 int64_t first_argmax(const float* row, int64_t n) {
@@ -461,6 +462,7 @@ int64_t first_argmax(const float* row, int64_t n) {
   }
   return best;
 }
+}  // namespace
 
 // `steps` greedy decode steps of B sequences in one call, each step's tokens the next one's input
 // (their embedding rows): what `steps` calls of forward, each followed by the sampler's argmax and

@@ -277,13 +277,13 @@ class ModelRunner:
         steps leave them (``decodes_greedily`` must hold)."""
         starts = [s.num_cached_tokens for s in seqs]
         windows = [[s.token_ids[-1]] + [0] * (steps - 1) for s in seqs]  # the later ids come from the call
-        _, pos, meta = self.prepare(seqs, starts, windows, None, self.deterministic, decode=True)
+        ids, pos, meta = self.prepare(seqs, starts, windows, None, self.deterministic, decode=True)
         if not meta.one_call:
             raise RuntimeError("decode_greedy needs the model's one-call native path")
         batch = len(seqs)
         meta.seq_index = torch.arange(batch, dtype=torch.long, device=self.device)
         positions, slots = (t.view(batch, steps).t().contiguous() for t in (pos, meta.slot_mapping))
-        first = torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.long, device=self.device)
+        first = ids.view(batch, steps)[:, 0]  # each window's first token: the sequence's uncached one
         tokens = self.model.greedy_decode(first, positions, self.kv_caches, meta, slots)
         for seq in seqs:
             seq.num_cached_tokens += steps
