@@ -121,22 +121,21 @@ def engine_step_ms(llm, prompt: list[int], max_tokens: int = 64) -> tuple[float,
     return median(steps) * 1e3, native_ms, median(warm) * 1e3
 
 
-def greedy_run_ms(llm, prompt: list[int], max_tokens: int = 129) -> tuple[float, float] | None:
-    """Per token, the mean ms of decoding with the engine's greedy steps (several decode steps in one
-    native call, ``--greedy-steps``) and the mean ms of it inside those calls; None where the engine
-    decodes one step a call."""
-    if getattr(llm.engine.step_strategy, "greedy_steps", 1) == 1:
+def steps_run_ms(llm, prompt: list[int], params: SamplingParams) -> tuple[float, float] | None:
+    """Per token, the mean ms of decoding ``prompt`` with ``params`` (max_tokens of them, EOS
+    ignored) with the engine's decode steps in one native call (``--decode-steps``) and the mean
+    ms of it inside those calls; None where the engine decodes one step a call."""
+    if getattr(llm.engine.step_strategy, "decode_steps", 1) == 1:
         return None
     stack = llm.engine.loaded.model.fused_stack
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     native = [0.0]
 
-    def timed_greedy(*args):
-        out, seconds = timed(FusedDecoderStack.greedy, stack, *args)
+    def timed_steps(*args):
+        out, seconds = timed(FusedDecoderStack.decode_steps, stack, *args)
         native[0] += seconds
         return out
 
-    stack.greedy = timed_greedy
+    stack.decode_steps = timed_steps
     try:
         seq = llm.engine.add_request(prompt, params)
         llm.engine.step()  # the prefill
@@ -147,7 +146,7 @@ def greedy_run_ms(llm, prompt: list[int], max_tokens: int = 129) -> tuple[float,
 
         _, total = timed(decode_to_the_end)
     finally:
-        del stack.greedy
+        del stack.decode_steps
     tokens = len(seq.output_token_ids) - 1
     return total / tokens * 1e3, native[0] / tokens * 1e3
 
@@ -178,12 +177,15 @@ def profile(model_name: str, weights: str, threads: int, context: int, repeat: i
         print(f"  the same Python with the native call replaced by its last result (its code and data left in the "
               f"caches, where a real call streams the weights through them): {warm:.2f} ms = {100 * warm / decode:.1f}% "
               f"of the step")
-    run = greedy_run_ms(llm, prompt)
-    if run is not None:
-        per_token, inside = run
-        print(f"  with --greedy-steps {llm.engine.step_strategy.greedy_steps} (decode steps back to back in one native "
-              f"call): {per_token:.2f} ms a token = {1000 / per_token:.1f} tok/s, {per_token - inside:.2f} ms of it "
-              f"outside the calls = {100 * (per_token - inside) / per_token:.1f}%")
+    for label, params in (("greedy", SamplingParams(temperature=0.0, max_tokens=129, ignore_eos=True)),
+                          ("sampled at temperature 1, top-p 0.95", SamplingParams(temperature=1.0, top_p=0.95,
+                                                                                  max_tokens=129, ignore_eos=True))):
+        run = steps_run_ms(llm, prompt, params)
+        if run is not None:
+            per_token, inside = run
+            print(f"  {label}, with --decode-steps {llm.engine.step_strategy.decode_steps} (decode steps back to back "
+                  f"in one native call): {per_token:.2f} ms a token = {1000 / per_token:.1f} tok/s, "
+                  f"{per_token - inside:.2f} ms of it outside the calls = {100 * (per_token - inside) / per_token:.1f}%")
     rate = linear_bytes / (decode / 1e3) / 1e9
     print(f"  weights streamed at that rate: {rate:.1f} GB/s = {100 * rate / bandwidth:.0f}% of the "
           f"{bandwidth:.1f} GB/s this machine reads with {threads} threads")

@@ -11,10 +11,12 @@ from specfork.sampling import (
     DRAW_BLOCK,
     _draw_blocks,
     _first_above,
+    draw_uniforms,
     greedy_tokens,
     logits_to_probs,
     sample_from_probs,
     sample_tokens,
+    step_draws,
 )
 
 needs_kernel = pytest.mark.skipif(native_kernels() is None, reason="native kernels need a C++ compiler")
@@ -284,6 +286,47 @@ def test_the_native_draw_is_the_pytorch_draw_with_the_same_uniforms():
     assert len(set(got)) > 100  # real draws, not a constant
     alone = [sample_tokens(logits[i : i + 1], [params[i]], [torch.Generator().manual_seed(i)])[0] for i in range(0, n, 7)]
     assert alone == got[::7]  # a row's draw does not depend on its batch
+
+
+@needs_kernel
+def test_next_tokens_choose_what_sample_tokens_chooses_step_by_step():
+    """The kernel a call of several decode steps samples with (``next_tokens``, fed by
+    ``step_draws``) against ``sample_tokens`` one step at a time with the same generators: greedy
+    rows (ties, NaN, -inf), temperature alone, top-k (0, 1, past the vocabulary), top-p and both,
+    over three steps whose rows differ; a greedy row takes no uniform from its generator."""
+    torch.manual_seed(1)
+    vocab, n, steps = 2 * DRAW_BLOCK + 17, 96, 3
+    kinds = [dict(temperature=0.0), dict(temperature=0.9), dict(temperature=1.0, top_k=1),
+             dict(temperature=1.0, top_k=vocab + 5), dict(temperature=0.8, top_p=0.7),
+             dict(temperature=1.4, top_k=40, top_p=0.9), dict(temperature=0.5, top_k=7)]
+    params = [SamplingParams(**kinds[i % len(kinds)]) for i in range(n)]
+    rows = [torch.randn(n, vocab) * torch.linspace(0.3, 9.0, n).unsqueeze(1) for _ in range(steps)]
+    rows[0][0, 5] = rows[0][0, 9] = 50.0  # a tie: the first
+    rows[1][7, 11] = math.nan  # a NaN: it
+    rows[2][14, :] = -math.inf  # all -inf: the first
+    expected_gens = [torch.Generator().manual_seed(i) for i in range(n)]
+    expected = [sample_tokens(r, params, expected_gens) for r in rows]
+    gens = [torch.Generator().manual_seed(i) for i in range(n)]
+    draws = step_draws(params, gens, steps, torch.device("cpu"))
+    got = [native_kernels().next_tokens(r, draws.temperature, draws.top_k, draws.top_p, draws.uniforms[s]).tolist()
+           for s, r in enumerate(rows)]
+    assert got == expected
+    assert got[0][0] == 5 and got[1][7] == 11 and got[2][14] == 0
+    assert len({t for step in got for t in step}) > 100  # real draws
+    # each generator ends where the steps one at a time left it (a greedy row's untouched)
+    assert draw_uniforms(gens, torch.device("cpu")).tolist() == draw_uniforms(expected_gens, torch.device("cpu")).tolist()
+    assert draws.uniforms[:, 0].tolist() == [0.0] * steps and (draws.uniforms[:, 1] > 0).all()
+
+
+def test_a_temperature_below_1e_5_decodes_greedily():
+    """Below 1e-5 (vLLM's bound) a temperature is greedy: logits / t overflow float32 for the
+    smallest, and 1e-46 is 0 in float32 (a division by zero had drawn at random)."""
+    logits = torch.tensor([[0.5, 2.0, 1.0, -3.0]] * 64)
+    for t in (1e-46, 1e-30, 9.9e-6):
+        params = [SamplingParams(temperature=t)] * 64
+        assert params[0].greedy
+        assert sample_tokens(logits, params, [torch.Generator().manual_seed(i) for i in range(64)]) == [1] * 64
+    assert not SamplingParams(temperature=1e-5).greedy
 
 
 @needs_kernel

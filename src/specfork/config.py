@@ -28,8 +28,8 @@ QUANTIZE_GROUPS = (32, 64, 128)
 DEFAULT_QUANTIZE_GROUP = 32
 K_MAX = 8  # the most tokens k "auto" may propose in a round
 SSD_DEFAULT_K = 5  # SSD's k when none is given (SD's is "auto")
-DEFAULT_GREEDY_STEPS = 4  # plain decoding's greedy decode steps per native call (docs/decisions.md)
-MAX_GREEDY_STEPS = 32
+DEFAULT_DECODE_STEPS = 4  # plain decoding's decode steps per native call (docs/decisions.md)
+MAX_DECODE_STEPS = 32
 SD_ONLY = ("draft_confidence", "ngram_min", "ngram_max", "lookup_first")  # speculative options SSD does not read
 MAX_THREADS = 1024  # --threads beyond this crashes OpenMP (thread creation fails, or a segfault)
 
@@ -66,11 +66,12 @@ class Config:
     cuda_graphs: bool = option(True, "on CUDA, replay decode, verify and drafting steps as CUDA graphs captured on "
                                "first use (a small model's eager step is bound by kernel launches); "
                                "--no-cuda-graphs runs every step eagerly", group=ENGINE)
-    greedy_steps: int = option(DEFAULT_GREEDY_STEPS, "plain decoding (--mode ar) on the CPU's one-call native path: a decode step "
-                               "takes up to this many tokens for each greedy request without logit adjustments "
-                               "or log-probabilities, their forwards run back to back in one native call with "
-                               "each argmax fed back there (the same tokens as one step at a time, without "
-                               "Python between them); 1: one token a step", group=ENGINE)
+    decode_steps: int = option(DEFAULT_DECODE_STEPS, "plain decoding (--mode ar) on the CPU's one-call native path: a decode step "
+                               "takes up to this many tokens for each request without logit adjustments or "
+                               "log-probabilities, greedy or sampled; their forwards run back to back in one native "
+                               "call with each token chosen and fed back there (the same tokens as one step at a "
+                               "time, a seeded request's too, without Python between them); 1: one token a step",
+                               group=ENGINE)
     max_num_batched_tokens: int = option(4096, "most tokens in one forward pass; longer prompts are prefilled "
                                          "in chunks", group=ENGINE)
     max_model_len: int | None = option(None, "longest prompt + output (default: the model's context length, "
@@ -193,10 +194,10 @@ class Config:
         _positive("block_size", self.block_size)
         _positive("kv_cache_tokens", self.kv_cache_tokens)
         _positive("max_num_seqs", self.max_num_seqs)
-        _positive("greedy_steps", self.greedy_steps)
-        if self.greedy_steps > MAX_GREEDY_STEPS:
-            raise SpecforkError(f"greedy_steps must be at most {MAX_GREEDY_STEPS} (each decode step reserves KV slots "
-                                f"for them all, and they save little past a few), got {self.greedy_steps}")
+        _positive("decode_steps", self.decode_steps)
+        if self.decode_steps > MAX_DECODE_STEPS:
+            raise SpecforkError(f"decode_steps must be at most {MAX_DECODE_STEPS} (each decode step reserves KV slots "
+                                f"for them all, and they save little past a few), got {self.decode_steps}")
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         if self.num_kv_blocks is not None:
             _positive("num_kv_blocks", self.num_kv_blocks)
@@ -302,8 +303,8 @@ class Config:
                                 "--drafter ngram or --lookup-first N); " + (
                                     "this run (--mode sd, no lookup first) looks none up" if self.mode == "sd"
                                     else "SSD's fast backup looks n-grams up with fixed bounds (1..4)"))
-        if self.greedy_steps != DEFAULT_GREEDY_STEPS and self.mode != "ar":
-            raise SpecforkError("--greedy-steps sets how many greedy decode steps plain decoding (--mode ar) runs in "
+        if self.decode_steps != DEFAULT_DECODE_STEPS and self.mode != "ar":
+            raise SpecforkError("--decode-steps sets how many decode steps plain decoding (--mode ar) runs in "
                                 "one native call; a speculative round verifies its drafts instead: leave it out")
         if self.quantize is None and self.quantize_group != DEFAULT_QUANTIZE_GROUP:
             raise SpecforkError("--quantize-group is the group size of --quantize; give --quantize int4 too")

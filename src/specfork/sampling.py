@@ -372,6 +372,33 @@ def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
     return tokens
 
 
+@dataclass(frozen=True, slots=True)
+class StepDraws:
+    """What several decode steps in one native call need to choose each row's token at every step
+    as ``sample_tokens`` would one step at a time (the kernels' ``next_tokens``): per row [B] its
+    temperature (0: a greedy row, its argmax), top-k and top-p, and per step and row [steps, B] the
+    uniform of its draw."""
+
+    temperature: torch.Tensor  # float32
+    top_k: torch.Tensor  # int64
+    top_p: torch.Tensor  # float32
+    uniforms: torch.Tensor  # float64
+
+
+def step_draws(params: Sequence[SamplingParams], generators: Sequence[torch.Generator], steps: int,
+               device: torch.device) -> StepDraws:
+    """The draws of ``steps`` decode steps for rows with ``params`` and ``generators``: a sampled
+    row takes one uniform a step from its generator, in the order that many steps of
+    ``sample_tokens`` take them; a greedy row takes none (its uniforms are 0, unused)."""
+    temp, top_k, top_p = sampling_tensors(params, device)
+    greedy = torch.tensor([p.greedy for p in params], device=device)
+    uniforms = torch.zeros(steps, len(params), dtype=torch.float64, device=device)
+    for i, (p, gen) in enumerate(zip(params, generators, strict=True)):
+        if not p.greedy:
+            uniforms[:, i] = torch.cat([draw_uniforms([gen], device) for _ in range(steps)])
+    return StepDraws(temp.masked_fill(greedy, 0.0), top_k, top_p, uniforms)
+
+
 def native_sampler(rows: torch.Tensor):
     """The compiled kernels for float32 rows on the CPU (None otherwise, or without them: the
     PyTorch path)."""

@@ -15,6 +15,10 @@ SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
 MAX_LOGPROBS = 20  # most alternatives reported per position (as OpenAI's top_logprobs)
 MAX_BAD_WORDS = 128  # as vLLM's GPU sampler
+# Temperatures below this decode greedily, as vLLM's (its _SAMPLING_EPS): logits / t overflow float32
+# for the smallest (1e-46 is 0 in float32, a division by zero), and what remains of the
+# distribution above them is the argmax.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +68,7 @@ class StructuredOutputs:
 class SamplingParams:
     """How one request samples and when it stops.
 
-    temperature == 0 means greedy decoding; top_k == 0 and top_p == 1.0 disable those filters.
+    temperature 0 (or below GREEDY_BELOW, 1e-5) means greedy decoding; top_k == 0 and top_p == 1.0 disable those filters.
     A request with ``seed`` set produces the same tokens whatever else shares its batch.
 
     The logits are adjusted as vLLM's sampler adjusts them, in its order, before any filter:
@@ -81,7 +85,7 @@ class SamplingParams:
     log-softmax of its logits, before any adjustment, temperature, top-k or top-p), in every decoding mode.
     """
 
-    temperature: float = option(1.0, "0 = greedy")
+    temperature: float = option(1.0, "0 = greedy (as is any temperature below 1e-5)")
     top_p: float = option(1.0, "nucleus sampling mass in (0, 1]; 1 = off")
     top_k: int = option(0, "keep the k most likely tokens; 0 = off")
     min_p: float = option(0.0, "drop the tokens less likely than min_p x the most likely one; 0 = off")
@@ -188,7 +192,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def adjusts_logits(self) -> bool:

@@ -23,7 +23,7 @@ from specfork.bench.peers import peer_runs
 from specfork.bench.peers.common import GenerateGroup, PeerRun, peer_result, warm_up
 from specfork.bench.settings import SWEEPABLE, BenchSettings
 from specfork.bench.timing import median, percentiles
-from specfork.config import DEFAULT_GREEDY_STEPS, Config
+from specfork.config import DEFAULT_DECODE_STEPS, Config
 from specfork.errors import SpecforkError
 
 logger = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ def _engine_options(mode: str, s: BenchSettings) -> dict:
     options = {"threads": s.threads, "max_num_seqs": max(s.batch_size, 1), "tensor_parallel_size": s.tensor_parallel_size,
                "weights": s.weights, "device": s.device, "cuda_graphs": s.cuda_graphs, "prefix_caching": False}
     if mode == "ar":
-        options.update(greedy_steps=s.greedy_steps)
+        options.update(decode_steps=s.decode_steps)
     if mode == "sd":
         options.update(mode="sd", draft=s.draft, k=s.k, draft_confidence=s.draft_confidence,
                        lookup_first=s.lookup_first)
@@ -273,8 +273,8 @@ def _cell_settings(mode: str, s: BenchSettings) -> dict:
         keep |= {"tensor_parallel_size"}
     if s.weights != "native":
         keep |= {"weights"}
-    if mode == "ar" and s.greedy_steps != DEFAULT_GREEDY_STEPS:
-        keep |= {"greedy_steps"}
+    if mode == "ar" and s.decode_steps != DEFAULT_DECODE_STEPS:
+        keep |= {"decode_steps"}
     if s.device != "cpu":
         keep |= {"device", "cuda_graphs"}
     return {k: v for k, v in (asdict(s) | shown).items() if k in keep}

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from specfork.config import (
     DEFAULT_CORPUS_TOKENS,
-    DEFAULT_GREEDY_STEPS,
+    DEFAULT_DECODE_STEPS,
     DEFAULT_MODEL,
     MAX_THREADS,
     SSD_BACKUPS,
@@ -23,13 +23,13 @@ PEERS = ("transformers", "llama.cpp")
 SSD_DRAFTERS = ("process", "rank")
 SWEEPABLE = {"k": int_or_auto, "draft_confidence": float, "lookup_first": int, "lookup_corpus": str, "corpus_tokens": int, "fan_out": int, "temperature": float, "top_p": float, "top_k": int, "input_len": int,
              "batch_size": int, "dataset": str, "tensor_parallel_size": int, "ssd_drafter": str, "weights": str,
-             "cuda_graphs": on_off, "greedy_steps": int}
+             "cuda_graphs": on_off, "decode_steps": int}
 # The settings that only some modes read: a value given for none of --modes would be ignored
 # (a sweep of k over AR alone ran the same AR once per point).
 MODE_OPTIONS = {"draft": ("sd", "ssd"), "k": ("sd", "ssd", "ngram"), "draft_confidence": ("sd",),
                 "lookup_first": ("sd",), "lookup_corpus": ("sd", "ngram"), "corpus_tokens": ("sd", "ngram"),
                 "fan_out": ("ssd",), "backup": ("ssd",), "ssd_drafter": ("ssd",), "target_cores": ("ssd",),
-                "draft_cores": ("ssd",), "greedy_steps": ("ar",)}
+                "draft_cores": ("ssd",), "decode_steps": ("ar",)}
 PEER_OPTIONS = {"draft": ("transformers",)}  # its assisted generation drafts with the same draft
 
 
@@ -84,7 +84,7 @@ class BenchSettings:
     cuda_graphs: bool = option(True, "specfork runs on CUDA: the engine's --cuda-graphs (decode, verify and drafting "
                                "steps replayed as CUDA graphs; --no-cuda-graphs: eager; sweep it as "
                                "cuda_graphs=off,on)")
-    greedy_steps: int = option(DEFAULT_GREEDY_STEPS, "specfork AR runs: the engine's --greedy-steps (greedy decode steps run back to "
+    decode_steps: int = option(DEFAULT_DECODE_STEPS, "specfork AR runs: the engine's --decode-steps (decode steps run back to "
                                "back in one native call; 1: one a call)")
     threads: int | None = option(None, "torch threads for AR/SD and peers (default: torch's)")
     repeat: int = option(1, "timed runs; the median is reported (a point's modes and peers, SSD aside, are "
@@ -121,7 +121,7 @@ class BenchSettings:
             raise SpecforkError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.ssd_drafter not in SSD_DRAFTERS:
             raise SpecforkError(f"ssd_drafter must be one of {', '.join(SSD_DRAFTERS)}, got {self.ssd_drafter!r}")
-        for name in ("num_prompts", "output_len", "fan_out", "batch_size", "repeat", "tensor_parallel_size", "greedy_steps") + (("k",) if isinstance(self.k, int) else ()):
+        for name in ("num_prompts", "output_len", "fan_out", "batch_size", "repeat", "tensor_parallel_size", "decode_steps") + (("k",) if isinstance(self.k, int) else ()):
             if getattr(self, name) < 1:
                 raise SpecforkError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.lookup_first is not None and (isinstance(self.lookup_first, bool)

@@ -451,45 +451,38 @@ std::vector<torch::Tensor> DecoderStack::forward(const torch::Tensor& x_in, cons
   return {hidden, features, logits};
 }
 
-namespace {
-// The row's greedy token: its largest logit, the first one on ties, and the first NaN where there is
-// one (as the sampler's argmax, specfork/sampling.py's greedy_tokens, and torch.argmax choose).
-int64_t first_argmax(const float* row, int64_t n) {
-  int64_t best = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    if (std::isnan(row[j])) return j;
-    if (row[j] > row[best]) best = j;
-  }
-  return best;
-}
-}  // namespace
-
-// `steps` greedy decode steps of B sequences in one call, each step's tokens the next one's input
-// (their embedding rows): what `steps` calls of forward, each followed by the sampler's argmax and
-// the embedding lookup, compute, with no Python between them. x [B, H] is the first step's input;
-// pos_of and slot_mapping [steps, B] the positions and cache slots of each step's rows (the block
-// tables cover the last); seq_of [B]. Returns the tokens [steps, B].
-torch::Tensor DecoderStack::greedy(const torch::Tensor& x, const torch::Tensor& embedding,
-                                   const std::vector<torch::Tensor>& caches, const torch::Tensor& cos,
-                                   const torch::Tensor& sin, const torch::Tensor& block_tables,
-                                   const torch::Tensor& seq_of, const torch::Tensor& pos_of,
-                                   const torch::Tensor& slot_mapping) {
-  TORCH_CHECK(!weights_.parsed()->projections.empty(), "DecoderStack.greedy: the stack has no LM head");
-  TORCH_CHECK(pos_of.dim() == 2 && slot_mapping.sizes() == pos_of.sizes() && pos_of.size(1) == x.size(0),
-              "DecoderStack.greedy: positions and slots must be [steps, B] for B input rows");
+// `steps` decode steps of B sequences in one call, each step's tokens the next one's input (their
+// embedding rows): what `steps` calls of forward, each followed by the sampler's choice of a token per
+// row (next_tokens: the argmax of a greedy row, temperature 0, else a draw with the row's filter and
+// its uniform of that step) and the embedding lookup, compute, with no Python between them. x [B, H]
+// is the first step's input; pos_of, slot_mapping and uniforms [steps, B] the positions, cache slots
+// and uniforms of each step's rows (the block tables cover the last); seq_of, temperature, top_k and
+// top_p [B]. Returns the tokens [steps, B].
+torch::Tensor DecoderStack::decode_steps(const torch::Tensor& x, const torch::Tensor& embedding,
+                                         const std::vector<torch::Tensor>& caches, const torch::Tensor& cos,
+                                         const torch::Tensor& sin, const torch::Tensor& block_tables,
+                                         const torch::Tensor& seq_of, const torch::Tensor& pos_of,
+                                         const torch::Tensor& slot_mapping, const torch::Tensor& temperature,
+                                         const torch::Tensor& top_k, const torch::Tensor& top_p,
+                                         const torch::Tensor& uniforms) {
+  TORCH_CHECK(!weights_.parsed()->projections.empty(), "DecoderStack.decode_steps: the stack has no LM head");
+  TORCH_CHECK(pos_of.dim() == 2 && slot_mapping.sizes() == pos_of.sizes() && uniforms.sizes() == pos_of.sizes() &&
+                  pos_of.size(1) == x.size(0),
+              "DecoderStack.decode_steps: positions, slots and uniforms must be [steps, B] for B input rows");
+  const int64_t B = x.size(0);
+  TORCH_CHECK(uniforms.scalar_type() == torch::kFloat64 && temperature.numel() == B && top_k.numel() == B &&
+                  top_p.numel() == B,
+              "DecoderStack.decode_steps: float64 uniforms and a temperature, top-k and top-p per row");
   TORCH_CHECK(embedding.dim() == 2 && embedding.scalar_type() == torch::kFloat32 && embedding.size(1) == x.size(1),
-              "DecoderStack.greedy: the embedding must be float32 [V, H]");
-  const int64_t steps = pos_of.size(0), B = x.size(0);
+              "DecoderStack.decode_steps: the embedding must be float32 [V, H]");
+  const int64_t steps = pos_of.size(0);
   auto tokens = torch::empty({steps, B}, pos_of.options());
-  auto* ids = tokens.data_ptr<int64_t>();
   torch::Tensor in = x;
   for (int64_t s = 0; s < steps; ++s) {
     const auto logits = forward(in, caches, cos, sin, block_tables, seq_of, pos_of[s], slot_mapping[s], {}, true)[2];
-    const int64_t V = logits.size(1);
-    TORCH_CHECK(V <= embedding.size(0), "DecoderStack.greedy: the LM head has more outputs than the embedding rows");
-    const float* rows = logits.data_ptr<float>();
-#pragma omp parallel for num_threads(at::get_num_threads()) if (B > 1)
-    for (int64_t b = 0; b < B; ++b) ids[s * B + b] = first_argmax(rows + b * V, V);
+    TORCH_CHECK(logits.size(1) <= embedding.size(0),
+                "DecoderStack.decode_steps: the LM head has more outputs than the embedding rows");
+    tokens[s].copy_(next_tokens(logits, temperature, top_k, top_p, uniforms[s]));
     if (s + 1 < steps) in = embedding.index_select(0, tokens[s]);
   }
   return tokens;

@@ -118,9 +118,12 @@ class DecoderStack {
                                      const torch::Tensor& block_tables, const torch::Tensor& seq_of,
                                      const torch::Tensor& pos_of, const torch::Tensor& slot_mapping,
                                      const std::vector<int64_t>& capture, bool logits);
-  torch::Tensor greedy(const torch::Tensor& x, const torch::Tensor& embedding, const std::vector<torch::Tensor>& caches,
-                       const torch::Tensor& cos, const torch::Tensor& sin_signed, const torch::Tensor& block_tables,
-                       const torch::Tensor& seq_of, const torch::Tensor& pos_of, const torch::Tensor& slot_mapping);
+  torch::Tensor decode_steps(const torch::Tensor& x, const torch::Tensor& embedding,
+                             const std::vector<torch::Tensor>& caches, const torch::Tensor& cos,
+                             const torch::Tensor& sin_signed, const torch::Tensor& block_tables,
+                             const torch::Tensor& seq_of, const torch::Tensor& pos_of, const torch::Tensor& slot_mapping,
+                             const torch::Tensor& temperature, const torch::Tensor& top_k, const torch::Tensor& top_p,
+                             const torch::Tensor& uniforms);
 
  private:
   HeldWeights weights_;  // the layers; projections: the LM head, if any; floats: the final norm
@@ -156,6 +159,10 @@ class Eagle3Step {
 // (float32), top-k (int64, 0: off) and top-p (float32, 1: off).
 torch::Tensor sample_logit_rows(const torch::Tensor& logits, const torch::Tensor& temperature,
                                 const torch::Tensor& top_k, const torch::Tensor& top_p, const torch::Tensor& uniforms);
+// sampling.py's sample_tokens: one token per row of logits [N, V], the first largest logit (a NaN
+// first of all) where the row's temperature is 0, else sample_logit_rows' draw with the row's uniform.
+torch::Tensor next_tokens(const torch::Tensor& logits, const torch::Tensor& temperature, const torch::Tensor& top_k,
+                          const torch::Tensor& top_p, const torch::Tensor& uniforms);
 // sampling.py's logits_to_probs: each row's probabilities [N, V] float32 after its temperature, top-k
 // and top-p.
 torch::Tensor filtered_prob_rows(const torch::Tensor& logits, const torch::Tensor& temperature,

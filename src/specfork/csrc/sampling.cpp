@@ -17,6 +17,7 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <vector>
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -354,6 +355,17 @@ void each_row(int64_t rows, int64_t vocab, F f) {
   });
 }
 
+// The row's greedy token: its largest logit, the first one on ties, and the first NaN where there is
+// one (as sampling.py's greedy_tokens and torch.argmax choose).
+int64_t first_argmax(const float* row, int64_t n) {
+  int64_t best = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    if (std::isnan(row[j])) return j;
+    if (row[j] > row[best]) best = j;
+  }
+  return best;
+}
+
 }  // namespace
 
 torch::Tensor sample_logit_rows(const torch::Tensor& logits, const torch::Tensor& temperature,
@@ -369,6 +381,31 @@ torch::Tensor sample_logit_rows(const torch::Tensor& logits, const torch::Tensor
   each_row(logits.size(0), vocab, [&](int64_t r, RowScratch& s) {
     const float* row = x + r * vocab;
     out[r] = draw_row(row, vocab, settings.filter(row, vocab, r, s), u[r], s);
+  });
+  return tokens;
+}
+
+torch::Tensor next_tokens(const torch::Tensor& logits, const torch::Tensor& temperature, const torch::Tensor& top_k,
+                          const torch::Tensor& top_p, const torch::Tensor& uniforms) {
+  check_rows("next_tokens", logits);
+  check_uniforms("next_tokens", logits, uniforms);
+  const RowSettings settings = row_settings("next_tokens", logits, temperature, top_k, top_p);
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  auto tokens = torch::empty({rows}, torch::kInt64);
+  const float* x = logits.data_ptr<float>();
+  const double* u = uniforms.data_ptr<double>();
+  int64_t* out = tokens.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    std::optional<RowScratch> s;  // only a sampled row needs one
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = x + r * vocab;
+      if (settings.t[r] == 0.0f) {
+        out[r] = first_argmax(row, vocab);
+        continue;
+      }
+      if (!s) s.emplace(vocab);
+      out[r] = draw_row(row, vocab, settings.filter(row, vocab, r, *s), u[r], *s);
+    }
   });
   return tokens;
 }

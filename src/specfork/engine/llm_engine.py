@@ -111,7 +111,7 @@ class LLMEngine:
         )
         self.block_manager = BlockManager(num_blocks, config.block_size, prefix_caching=config.prefix_caching)
         # KV slots a verify window writes past the next token cut the usable length (plain
-        # decoding's greedy steps stop at the model's length: the scheduler's lookahead_limit).
+        # decoding's steps in one call stop at the model's length: the scheduler's lookahead_limit).
         capacity = num_blocks * config.block_size - config.lookahead
         if requested_len is not None and requested_len > capacity:
             raise SpecforkError(
@@ -122,7 +122,7 @@ class LLMEngine:
         self.max_model_len = min(requested_len or arch.max_position_embeddings, capacity)
         self.num_kv_blocks = num_blocks
         self.step_strategy: Step = (build_step(self) if build_step
-                                    else AutoregressiveStep(self.runner, config.greedy_steps, self.max_model_len))
+                                    else AutoregressiveStep(self.runner, config.decode_steps, self.max_model_len))
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,

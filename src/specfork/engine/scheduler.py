@@ -69,8 +69,8 @@ class Scheduler:
         lookahead_limit: int | None = None,
     ) -> None:
         self.blocks = block_manager
-        # Where a step never writes past the model's length (plain decoding's greedy steps stop
-        # there), its lookahead reserves no slots beyond it either; a verify window does not stop,
+        # Where a step never writes past the model's length (plain decoding's steps in one call
+        # stop there), its lookahead reserves no slots beyond it either; a verify window does not stop,
         # so SD's engine leaves this None and its KV capacity is cut by k instead.
         self.lookahead_limit = lookahead_limit
         self.on_release = on_release  # told when a sequence's KV is dropped (preempted or finished)
@@ -89,7 +89,7 @@ class Scheduler:
 
     def schedule(self, lookahead: int = 0) -> ScheduledBatch | None:
         """Pick the next batch. Decode steps reserve ``1 + lookahead`` slots per sequence
-        (speculative steps and plain decoding's greedy steps write several tokens; the latter's
+        (speculative steps and plain decoding's steps in one call write several tokens; the latter's
         reservation stops at ``lookahead_limit``)."""
         batch = self._schedule_prefill()
         if batch is not None:

@@ -13,7 +13,7 @@ from specfork.engine.model_runner import ModelRunner
 from specfork.engine.scheduler import PrefixUser, ScheduledBatch
 from specfork.engine.sequence import Sequence
 from specfork.outputs import TokenLogprob
-from specfork.sampling import adjust_logits_, sample_tokens
+from specfork.sampling import adjust_logits_, sample_tokens, step_draws
 
 
 @dataclass(slots=True)
@@ -87,41 +87,43 @@ def _logprobs(row: torch.Tensor, token: int, seq: Sequence) -> list[TokenLogprob
 
 class AutoregressiveStep:
     """Plain decoding: one forward pass, one new token per sequence; or, where the runner can and
-    every sequence of a decode batch is greedy with nothing to adjust or report (no logit
-    adjustments, no log-probabilities), up to ``greedy_steps`` decode steps back to back in one
-    native call, each sequence taking their tokens (the same tokens, without Python between the
-    steps: ``ModelRunner.decode_greedy``)."""
+    no sequence of a decode batch has logits to adjust or log-probabilities to report, up to
+    ``decode_steps`` decode steps back to back in one native call, each sequence taking their tokens
+    (the same tokens, greedy or drawn with the request's generator, without Python between the
+    steps: ``ModelRunner.decode_steps``)."""
 
-    def __init__(self, runner: ModelRunner, greedy_steps: int = 1, max_model_len: int | None = None) -> None:
+    def __init__(self, runner: ModelRunner, decode_steps: int = 1, max_model_len: int | None = None) -> None:
         self.runner = runner
-        self.greedy_steps = greedy_steps if runner.decodes_greedily else 1
-        self.lookahead = self.greedy_steps - 1  # KV slots a decode step may write past the next token
+        self.decode_steps = decode_steps if runner.decodes_in_one_call else 1
+        self.lookahead = self.decode_steps - 1  # KV slots a decode step may write past the next token
         self.max_model_len = max_model_len
 
     def execute(self, batch: ScheduledBatch) -> dict[Sequence, NewTokens]:
-        steps = self._greedy_steps(batch)
+        steps = self._steps(batch)
         if steps > 1:
-            tokens = self.runner.decode_greedy(batch.seqs, steps)
-            return {s: NewTokens(ids) for s, ids in zip(batch.seqs, tokens, strict=True)}
+            seqs = batch.seqs
+            draws = step_draws([s.params for s in seqs], [s.generator for s in seqs], steps, self.runner.device)
+            tokens = self.runner.decode_steps(seqs, steps, draws)
+            return {s: NewTokens(ids) for s, ids in zip(seqs, tokens, strict=True)}
         logits = self.runner.run_batch(batch)
         sampling = [s for s, samples in zip(batch.seqs, batch.samples, strict=True) if samples]
         if not sampling:
             return {}
         return sample_new_tokens(logits, sampling)
 
-    def _greedy_steps(self, batch: ScheduledBatch) -> int:
-        """How many greedy decode steps ``batch`` runs in one call: 1 unless it is a decode batch of
-        greedy requests with nothing to adjust or report; never past a request's max_tokens or the
+    def _steps(self, batch: ScheduledBatch) -> int:
+        """How many decode steps ``batch`` runs in one call: 1 unless it is a decode batch whose
+        requests have nothing to adjust or report; never past a request's max_tokens or the
         model's length (a request that stops earlier, at EOS or a stop string, takes the tokens up
         to it and the rest are dropped, as a speculative round's are)."""
-        if self.greedy_steps == 1 or batch.is_prefill or any(n != 1 for n in batch.num_new_tokens):
+        if self.decode_steps == 1 or batch.is_prefill or any(n != 1 for n in batch.num_new_tokens):
             return 1
-        if not self.runner.decodes_greedily:  # the one-call path taken away since (a benchmark's module path)
+        if not self.runner.decodes_in_one_call:  # the one-call path taken away since (a benchmark's module path)
             return 1
-        steps = self.greedy_steps
+        steps = self.decode_steps
         for seq in batch.seqs:
             params = seq.params
-            if not params.greedy or params.logprobs is not None or seq.history().adjusts:
+            if params.logprobs is not None or seq.history().adjusts:
                 return 1
             steps = min(steps, params.max_tokens - seq.num_output_tokens)
             if self.max_model_len is not None:

@@ -159,24 +159,25 @@ class LlamaForCausalLM(nn.Module):
         return out, torch.cat([inputs[i] for i in capture], dim=-1)
 
     @property
-    def decodes_greedily(self) -> bool:
-        """Whether ``greedy_decode`` can run: the one-call native stack with its LM head, and a float32
+    def decodes_in_one_call(self) -> bool:
+        """Whether ``decode_steps`` can run: the one-call native stack with its LM head, and a float32
         embedding to feed the tokens back from."""
         embedding = self.embed_tokens.weight
         return (isinstance(self.fused_stack, FusedDecoderStack) and self.fused_stack.native_head
                 and embedding.dtype == torch.float32
                 and embedding.device.type == "cpu" and embedding.is_contiguous())
 
-    def greedy_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                      meta: AttentionMetadata, slots: torch.Tensor) -> torch.Tensor:
-        """The argmax tokens [steps, B] of ``steps`` decode steps of B sequences in one native call,
-        each step's tokens the next one's input: ``input_ids`` [B] the first step's tokens,
-        ``positions`` and ``slots`` [steps, B] each step's positions and cache slots (``meta`` the
-        last step's block tables and each row's sequence). The same tokens and cache contents as
-        ``steps`` forwards with the argmax of each between them (``decodes_greedily`` must hold)."""
+    def decode_steps(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                     meta: AttentionMetadata, slots: torch.Tensor, draws) -> torch.Tensor:
+        """The tokens [steps, B] of ``steps`` decode steps of B sequences in one native call, each
+        step's tokens the next one's input: ``input_ids`` [B] the first step's tokens, ``positions``
+        and ``slots`` [steps, B] each step's positions and cache slots (``meta`` the last step's
+        block tables and each row's sequence), ``draws`` (``sampling.StepDraws``) how each row's
+        token is chosen. The same tokens and cache contents as ``steps`` forwards with the sampler
+        between them (``decodes_in_one_call`` must hold)."""
         x = self.embed_tokens(input_ids)
-        return self.fused_stack.greedy(x, self.embed_tokens.weight, self.rotary.at(positions), kv_caches, meta,
-                                       positions, slots)
+        return self.fused_stack.decode_steps(x, self.embed_tokens.weight, self.rotary.at(positions), kv_caches, meta,
+                                             positions, slots, draws)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

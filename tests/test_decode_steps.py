@@ -1,6 +1,6 @@
-"""Several greedy decode steps in one native call (``--greedy-steps``): the same tokens as one step
-at a time, taken only where nothing is adjusted or reported, bounded by max_tokens and the model's
-length."""
+"""Several decode steps in one native call (``--decode-steps``): the same tokens as one step at a
+time, greedy or sampled (a seeded request's draws too), taken only where nothing is adjusted or
+reported, bounded by max_tokens and the model's length."""
 
 from __future__ import annotations
 
@@ -29,26 +29,26 @@ class CallCounter:
     def __init__(self, llm: LLM) -> None:
         self.calls, self.steps = 0, []
         runner = llm.engine.runner
-        original = runner.decode_greedy
+        original = runner.decode_steps
 
-        def counted(seqs, steps):
+        def counted(seqs, steps, draws):
             self.calls += 1
             self.steps.append(steps)
-            return original(seqs, steps)
+            return original(seqs, steps, draws)
 
-        runner.decode_greedy = counted
+        runner.decode_steps = counted
 
 
 @pytest.fixture(scope="module")
 def engines():
-    one = LLM(greedy_steps=1, kv_cache_tokens=4096)
-    many = LLM(greedy_steps=4, kv_cache_tokens=4096)
-    assert many.engine.step_strategy.greedy_steps == 4 and one.engine.step_strategy.greedy_steps == 1
+    one = LLM(decode_steps=1, kv_cache_tokens=4096)
+    many = LLM(decode_steps=4, kv_cache_tokens=4096)
+    assert many.engine.step_strategy.decode_steps == 4 and one.engine.step_strategy.decode_steps == 1
     return one, many
 
 
 @pytest.mark.parametrize("batched", [False, True])
-def test_greedy_steps_give_the_tokens_of_one_step_at_a_time(engines, batched):
+def test_decode_steps_give_the_tokens_of_one_step_at_a_time(engines, batched):
     one, many = engines
     counter = CallCounter(many)
     ids = encoded(one)
@@ -64,12 +64,52 @@ def test_greedy_steps_give_the_tokens_of_one_step_at_a_time(engines, batched):
     assert counter.calls >= 15 and max(counter.steps) == 4 and min(counter.steps) == 2
 
 
-def test_greedy_steps_stop_where_one_step_at_a_time_stops(engines):
+SAMPLED = [SamplingParams(temperature=0.8, max_tokens=41, ignore_eos=True, seed=11),
+           SamplingParams(temperature=0.0, max_tokens=41, ignore_eos=True),
+           SamplingParams(temperature=1.3, top_p=0.9, max_tokens=41, ignore_eos=True, seed=12),
+           SamplingParams(temperature=1.0, top_k=20, max_tokens=41, ignore_eos=True, seed=13)]
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_sampled_decode_steps_draw_the_tokens_of_one_step_at_a_time(engines, batched):
+    """Seeded requests (temperature alone, top-p, top-k) with a greedy one among them: each step's
+    draw in the call takes the uniform one step at a time takes from the request's generator, so the
+    tokens are the same, alone and in a batch."""
+    one, many = engines
+    counter = CallCounter(many)
+    ids = encoded(one)
+    if batched:
+        expected = [o.token_ids for o in one.generate(ids, SAMPLED)]
+        got = [o.token_ids for o in many.generate(ids, SAMPLED)]
+    else:
+        expected = [one.generate([p], [sp])[0].token_ids for p, sp in zip(ids, SAMPLED, strict=True)]
+        got = [many.generate([p], [sp])[0].token_ids for p, sp in zip(ids, SAMPLED, strict=True)]
+    assert got == expected
+    assert counter.calls >= 10 and max(counter.steps) == 4
+    # the draws are the requests' own: another seed draws another text
+    reseeded = [SamplingParams(temperature=0.8, max_tokens=41, ignore_eos=True, seed=99)]
+    assert many.generate(ids[:1], reseeded)[0].token_ids != got[0]
+
+
+def test_a_sampled_request_moves_from_one_step_to_several_with_its_draws_in_order(engines):
+    """min_tokens holds EOS back (an adjustment: one step a call) for the first tokens, then the
+    request decodes several steps a call: the generator's uniforms are taken in the same order."""
+    one, many = engines
+    prompt = encoded(one)[1]
+    params = SamplingParams(temperature=0.8, max_tokens=48, min_tokens=13, seed=21)
+    counter = CallCounter(many)
+    got = many.generate([prompt], params)[0]
+    assert got.token_ids == one.generate([prompt], params)[0].token_ids
+    assert len(got.token_ids) > 20 and counter.calls > 0 and sum(counter.steps) <= len(got.token_ids) - 13
+
+
+def test_decode_steps_stop_where_one_step_at_a_time_stops(engines):
     """At EOS and at a stop string the tokens a call computed past them are dropped."""
     one, many = engines
     ids = encoded(one)
     for params in (SamplingParams(temperature=0.0, max_tokens=200),
-                   SamplingParams(temperature=0.0, max_tokens=200, stop=[".", "\n"], ignore_eos=True)):
+                   SamplingParams(temperature=0.0, max_tokens=200, stop=[".", "\n"], ignore_eos=True),
+                   SamplingParams(temperature=0.9, max_tokens=200, stop=[".", "\n"], seed=5)):
         expected = one.generate(ids, params)
         got = many.generate(ids, params)
         assert [o.token_ids for o in got] == [o.token_ids for o in expected]
@@ -84,7 +124,7 @@ def test_a_request_with_something_to_adjust_or_report_decodes_one_step_at_a_time
     plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     for other in (SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2),
                   SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.2),
-                  SamplingParams(temperature=0.7, max_tokens=24, ignore_eos=True, seed=3)):
+                  SamplingParams(temperature=0.7, max_tokens=24, ignore_eos=True, seed=3, min_p=0.05)):
         counter = CallCounter(many)
         got = many.generate(ids, [plain, other])
         expected = one.generate(ids, [plain, other])
@@ -92,30 +132,34 @@ def test_a_request_with_something_to_adjust_or_report_decodes_one_step_at_a_time
         assert [o.token_ids for o in got] == [o.token_ids for o in expected]
 
 
-def test_greedy_steps_under_kv_pressure_with_uneven_requests(engines):
+def test_decode_steps_under_kv_pressure_with_uneven_requests(engines):
     """A cache too small for the batch (sequences preempted and recomputed), requests with
-    different max_tokens in one batch (the shortest bounds a call) and one that stops at a stop
-    token id: the tokens of one step at a time."""
+    different max_tokens in one batch (the shortest bounds a call), one that stops at a stop token
+    id and two seeded sampled ones: the tokens of one step at a time."""
     one, _ = engines
     ids = encoded(one)
     stop_id = one.generate([ids[3]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0].token_ids[9]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (40, 7, 33)]
     params.append(SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop_id]))
+    # and sampled requests, seeded, whose calls are cut short by the others' and their own max_tokens
+    params += [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=n, ignore_eos=True, seed=n) for n in (38, 10)]
+    ids = ids + ids[:2]
     results = {}
     for steps in (1, 4):
-        tight = LLM(greedy_steps=steps, num_kv_blocks=8, block_size=16, max_num_seqs=4)
+        tight = LLM(decode_steps=steps, num_kv_blocks=10, block_size=16, max_num_seqs=6)
         counter = CallCounter(tight) if steps > 1 else None
         results[steps] = [o.token_ids for o in tight.generate(ids, params)]
         assert tight.engine.scheduler.num_preemptions > 0
     assert results[4] == results[1]
     assert [len(t) for t in results[4]][:3] == [40, 7, 33] and results[4][3][-1] == stop_id
+    assert [len(t) for t in results[4]][4:] == [38, 10]
     assert counter.calls > 0
 
 
-def test_greedy_steps_end_at_the_models_length():
+def test_decode_steps_end_at_the_models_length():
     """A request that reaches the model's length takes the last tokens it may, in a shorter call."""
-    one = LLM(greedy_steps=1, max_model_len=64, kv_cache_tokens=1024)
-    many = LLM(greedy_steps=4, max_model_len=64, kv_cache_tokens=1024)
+    one = LLM(decode_steps=1, max_model_len=64, kv_cache_tokens=1024)
+    many = LLM(decode_steps=4, max_model_len=64, kv_cache_tokens=1024)
     counter = CallCounter(many)
     prompt = one.engine.encode_prompt("def fibonacci(n):\n")
     params = SamplingParams(temperature=0.0, max_tokens=64 - len(prompt), ignore_eos=True)
@@ -124,12 +168,12 @@ def test_greedy_steps_end_at_the_models_length():
     assert counter.calls > 0 and sum(counter.steps) == len(got.token_ids) - 1  # the first token comes from the prefill
 
 
-def test_greedy_steps_keep_the_caches_whole_length():
-    """Greedy steps stop at the model's length, so plain decoding keeps every slot of a small cache
+def test_decode_steps_keep_the_caches_whole_length():
+    """Decode steps stop at the model's length, so plain decoding keeps every slot of a small cache
     (a verify window's k is cut from it in SD): requests run to the cache's length, whatever length
     their last call starts from."""
-    many = LLM(greedy_steps=4, num_kv_blocks=4, block_size=16)
-    assert many.engine.max_model_len == 64 and many.engine.step_strategy.greedy_steps == 4
+    many = LLM(decode_steps=4, num_kv_blocks=4, block_size=16)
+    assert many.engine.max_model_len == 64 and many.engine.step_strategy.decode_steps == 4
     words = many.engine.encode_prompt("def fibonacci(n):\n    return n")
     for length in (5, 6, 7, 8):  # every residue of the steps, so one request's last call starts at 63
         prompt = words[:length]
@@ -138,9 +182,9 @@ def test_greedy_steps_keep_the_caches_whole_length():
         assert len(prompt) + len(out.token_ids) == 64 and out.finish_reason == "length"
 
 
-def test_greedy_steps_in_deterministic_mode_equal_ar_one_step_at_a_time():
-    one = LLM(greedy_steps=1, deterministic=True, kv_cache_tokens=4096)
-    many = LLM(greedy_steps=3, deterministic=True, kv_cache_tokens=4096)
+def test_decode_steps_in_deterministic_mode_equal_ar_one_step_at_a_time():
+    one = LLM(decode_steps=1, deterministic=True, kv_cache_tokens=4096)
+    many = LLM(decode_steps=3, deterministic=True, kv_cache_tokens=4096)
     ids = encoded(one)[1:3]
     params = SamplingParams(temperature=0.0, max_tokens=25, ignore_eos=True)
     counter = CallCounter(many)
@@ -148,7 +192,7 @@ def test_greedy_steps_in_deterministic_mode_equal_ar_one_step_at_a_time():
     assert counter.calls == 8
 
 
-def test_greedy_steps_break_ties_as_the_sampler_does(tiny_checkpoints, tmp_path):
+def test_decode_steps_break_ties_as_the_sampler_does(tiny_checkpoints, tmp_path):
     """A tiny tied model whose embedding rows are all equal has every logit equal: each step's
     argmax is then the first token, as the sampler's (NumPy's, torch's) argmax chooses."""
     import shutil
@@ -165,21 +209,21 @@ def test_greedy_steps_break_ties_as_the_sampler_does(tiny_checkpoints, tmp_path)
     weights["model.embed_tokens.weight"] = embedding[5:6].expand_as(embedding).contiguous()
     save_file(weights, flat / "model.safetensors")
     path = export_gguf(flat, tmp_path / "flat-q8_0.gguf", vocab_from=None, out_type="q8_0")
-    many = LLM(str(path), greedy_steps=4, kv_cache_tokens=512)
-    assert many.engine.step_strategy.greedy_steps == 4
+    many = LLM(str(path), decode_steps=4, kv_cache_tokens=512)
+    assert many.engine.step_strategy.decode_steps == 4
     counter = CallCounter(many)
     params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
     got = many.generate([[3, 7, 1]], params)[0].token_ids
-    expected = LLM(str(path), greedy_steps=1, kv_cache_tokens=512).generate([[3, 7, 1]], params)[0].token_ids
+    expected = LLM(str(path), decode_steps=1, kv_cache_tokens=512).generate([[3, 7, 1]], params)[0].token_ids
     assert got == expected == [0] * 9 and counter.calls == 2
 
 
-def test_greedy_steps_must_be_positive_and_are_plain_decodings():
+def test_decode_steps_must_be_positive_and_are_plain_decodings():
     from specfork.errors import SpecforkError
 
-    with pytest.raises(SpecforkError, match="greedy_steps must be an integer >= 1"):
-        LLM(greedy_steps=0)
-    with pytest.raises(SpecforkError, match="greedy_steps must be at most 32"):
-        LLM(greedy_steps=33)
-    with pytest.raises(SpecforkError, match="--greedy-steps sets how many greedy decode steps plain decoding"):
-        LLM(mode="sd", greedy_steps=2)
+    with pytest.raises(SpecforkError, match="decode_steps must be an integer >= 1"):
+        LLM(decode_steps=0)
+    with pytest.raises(SpecforkError, match="decode_steps must be at most 32"):
+        LLM(decode_steps=33)
+    with pytest.raises(SpecforkError, match="--decode-steps sets how many decode steps plain decoding"):
+        LLM(mode="sd", decode_steps=2)
