@@ -5,7 +5,8 @@ For each --weights setting: the model forward of 1..9 new tokens after --context
 rotary, embedding, Python), measured by timing those modules inside real forwards on the Python
 module path (the fused native decoder layer, when it runs, has no seams to time); one full engine
 step (scheduling, sampling, stop checks included) and how much of it is spent outside the one
-native call (Python's share); bytes of weights read per token and the share of the machine's
+native call (Python's share), and per token, greedy and sampled, at one and at --decode-steps
+decode steps a native call; bytes of weights read per token and the share of the machine's
 streaming bandwidth; and the same for the shipped draft.
 
     python benchmarks/bench_step_profile.py --threads 2
@@ -22,8 +23,8 @@ from specfork import LLM, SamplingParams
 from specfork.bench.forward import forward_ms, prefilled, unfused
 from specfork.bench.machine import read_bandwidth, weight_bytes
 from specfork.bench.timing import median, timed
+from specfork.datasets import encode, load_prompts
 from specfork.layers import attention as attention_module
-from specfork.layers.fused_layer import FusedDecoderStack
 from specfork.layers.linear import DenseLinear
 from specfork.layers.quantized import QuantizedLinear
 
@@ -121,24 +122,36 @@ def engine_step_ms(llm, prompt: list[int], max_tokens: int = 64) -> tuple[float,
     return median(steps) * 1e3, native_ms, median(warm) * 1e3
 
 
-def steps_run_ms(llm, prompt: list[int], params: SamplingParams) -> tuple[float, float] | None:
-    """Per token, the mean ms of decoding ``prompt`` with ``params`` (max_tokens of them, EOS
-    ignored) with the engine's decode steps in one native call (``--decode-steps``) and the mean
-    ms of it inside those calls; None where the engine decodes one step a call."""
-    if getattr(llm.engine.step_strategy, "decode_steps", 1) == 1:
-        return None
-    stack = llm.engine.loaded.model.fused_stack
-    native = [0.0]
+class NativeClock:
+    """Stands in for a fused stack's native object: its calls run, their seconds are summed."""
 
-    def timed_steps(*args):
-        out, seconds = timed(FusedDecoderStack.decode_steps, stack, *args)
-        native[0] += seconds
+    def __init__(self, native) -> None:
+        self.native, self.seconds = native, 0.0
+
+    def forward(self, *args):
+        return self._timed(self.native.forward, *args)
+
+    def decode_steps(self, *args):
+        return self._timed(self.native.decode_steps, *args)
+
+    def _timed(self, fn, *args):
+        out, seconds = timed(fn, *args)
+        self.seconds += seconds
         return out
 
-    stack.decode_steps = timed_steps
+
+def run_ms(llm, prompt: list[int], params: SamplingParams, steps: int) -> tuple[float, float]:
+    """Per token, the mean ms of decoding ``prompt`` with ``params`` (max_tokens of them, EOS
+    ignored) at up to ``steps`` decode steps a native call (at most the engine's
+    ``--decode-steps``), and the mean ms of it inside the native calls."""
+    strategy, stack = llm.engine.step_strategy, llm.engine.loaded.model.fused_stack
+    configured, native = strategy.decode_steps, stack._stack
+    clock = NativeClock(native)
+    strategy.decode_steps, stack._stack = steps, clock  # fewer steps than configured: the same reservations
     try:
         seq = llm.engine.add_request(prompt, params)
         llm.engine.step()  # the prefill
+        clock.seconds = 0.0
 
         def decode_to_the_end() -> None:
             while not seq.is_finished:
@@ -146,9 +159,9 @@ def steps_run_ms(llm, prompt: list[int], params: SamplingParams) -> tuple[float,
 
         _, total = timed(decode_to_the_end)
     finally:
-        del stack.decode_steps
+        strategy.decode_steps, stack._stack = configured, native
     tokens = len(seq.output_token_ids) - 1
-    return total / tokens * 1e3, native[0] / tokens * 1e3
+    return total / tokens * 1e3, clock.seconds / tokens * 1e3
 
 
 def profile(model_name: str, weights: str, threads: int, context: int, repeat: int, max_rows: int,
@@ -177,15 +190,20 @@ def profile(model_name: str, weights: str, threads: int, context: int, repeat: i
         print(f"  the same Python with the native call replaced by its last result (its code and data left in the "
               f"caches, where a real call streams the weights through them): {warm:.2f} ms = {100 * warm / decode:.1f}% "
               f"of the step")
-    for label, params in (("greedy", SamplingParams(temperature=0.0, max_tokens=129, ignore_eos=True)),
-                          ("sampled at temperature 1, top-p 0.95", SamplingParams(temperature=1.0, top_p=0.95,
-                                                                                  max_tokens=129, ignore_eos=True))):
-        run = steps_run_ms(llm, prompt, params)
-        if run is not None:
-            per_token, inside = run
-            print(f"  {label}, with --decode-steps {llm.engine.step_strategy.decode_steps} (decode steps back to back "
-                  f"in one native call): {per_token:.2f} ms a token = {1000 / per_token:.1f} tok/s, "
-                  f"{per_token - inside:.2f} ms of it outside the calls = {100 * (per_token - inside) / per_token:.1f}%")
+    configured = getattr(llm.engine.step_strategy, "decode_steps", 1)
+    if native is not None and configured > 1:
+        # A real chat prompt: after the random tokens above, the next token's distribution is nearly
+        # flat, and top-p's nucleus of thousands of tokens makes the draw itself cost ~3 ms.
+        prompt = encode(llm, load_prompts("sharegpt", "eval", 1)[0])
+        for label, params in (("greedy", SamplingParams(temperature=0.0, max_tokens=129, ignore_eos=True)),
+                              ("sampled (temperature 1, top-p 0.95)",
+                               SamplingParams(temperature=1.0, top_p=0.95, max_tokens=129, ignore_eos=True, seed=0))):
+            for steps in (1, configured):
+                per_token, inside = run_ms(llm, prompt, params, steps)
+                print(f"  {label}, {steps} decode step{'s' if steps > 1 else ''} a native call "
+                      f"(--decode-steps {steps}): {per_token:.2f} ms a token = {1000 / per_token:.1f} tok/s, "
+                      f"{per_token - inside:.2f} ms of it outside the calls = "
+                      f"{100 * (per_token - inside) / per_token:.1f}%")
     rate = linear_bytes / (decode / 1e3) / 1e9
     print(f"  weights streamed at that rate: {rate:.1f} GB/s = {100 * rate / bandwidth:.0f}% of the "
           f"{bandwidth:.1f} GB/s this machine reads with {threads} threads")
