@@ -5,6 +5,7 @@ reported, bounded by max_tokens and the model's length."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from specfork import LLM, SamplingParams
 from specfork.native_kernels import kernels
@@ -218,6 +219,90 @@ def test_decode_steps_break_ties_as_the_sampler_does(tiny_checkpoints, tmp_path)
     assert got == expected == [0] * 9 and counter.calls == 2
 
 
+COUNTS = ("spec_rounds", "spec_rounds_without_drafts", "spec_tokens_emitted", "draft_tokens_proposed",
+          "draft_tokens_accepted")
+
+
+class ForcedK:
+    """Stands in for k auto's choice: each round's k from the running sequences' output lengths."""
+
+    def __init__(self, llm: LLM, k_of) -> None:
+        self.llm, self.k_of = llm, k_of
+        llm.engine.step_strategy.auto_k.ks_for_round = self.ks_for_round
+
+    def ks_for_round(self, batch: int = 1) -> list[int]:
+        return [self.k_of(min(s.num_output_tokens for s in self.llm.engine.scheduler.running))] * batch
+
+
+def test_sd_rounds_without_drafts_take_decode_steps_and_keep_the_heads_features():
+    """Where k auto chooses plain decoding, SD decodes several steps a call too, and hands the
+    proposer every position's features: after 32 plain tokens (8 calls of 4, or 32 of 1) the shipped
+    head drafts the same chains, and the text is AR's."""
+    params = SamplingParams(temperature=0.0, max_tokens=70, ignore_eos=True)
+    prompt = encoded(LLM(kv_cache_tokens=1024))[1]
+    expected = LLM(deterministic=True, kv_cache_tokens=4096).generate([prompt], params)[0].token_ids
+    runs = {}
+    for steps in (1, 4):
+        sd = LLM(mode="sd", decode_steps=steps, deterministic=True, kv_cache_tokens=4096)
+        assert sd.engine.step_strategy.plain_steps == steps
+        ForcedK(sd, lambda n: 0 if n < 33 else 4)
+        proposals = []
+        proposer = sd.engine.step_strategy.proposer
+        original = proposer.propose
+
+        def recorded(seqs, num_tokens, original=original, proposals=proposals):
+            out = original(seqs, num_tokens)
+            proposals.append((seqs[0].num_output_tokens, out.tokens[0]))
+            return out
+
+        proposer.propose = recorded
+        counter = CallCounter(sd)
+        out = sd.generate([prompt], params)[0]
+        assert out.token_ids == expected
+        assert counter.calls == (8 if steps == 4 else 0)
+        assert out.metrics["spec_tokens_emitted"] == 69  # the prefill's token aside
+        runs[steps] = proposals, {k: out.metrics[k] for k in COUNTS}
+    assert runs[4] == runs[1] and runs[1][0][0][0] == 33
+    assert runs[1][1]["spec_rounds_without_drafts"] >= 32  # a plain round per token, as one step a call counts
+    assert sum(len(t) for _, t in runs[1][0]) >= 12  # the head drafted: its features were right
+
+
+def test_sd_plain_steps_in_a_batch_hand_each_sequence_its_own_features(engines):
+    """Rounds alternating between plain decoding (several steps a call) and drafting, a batch of
+    greedy and seeded sampled requests: the greedy ones are AR's, every request ends where it
+    should, and every position's features the proposer is handed are the ones one step a call
+    hands it for that sequence and position (the call's rows come step by step; a sequence's must
+    reach it in order)."""
+    one, _ = engines
+    ids = encoded(one)[:3]
+    params = [SamplingParams(temperature=0.0, max_tokens=45, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.8, max_tokens=40, ignore_eos=True, seed=4)]
+    seen = {}
+    for steps in (1, 4):
+        sd = LLM(mode="sd", decode_steps=steps, deterministic=True, kv_cache_tokens=4096)
+        ForcedK(sd, lambda n: 3 if n % 12 >= 8 else 0)
+        counter = CallCounter(sd)
+        features = seen[steps] = {}
+        proposer = sd.engine.step_strategy.proposer
+        original = proposer.observe_features
+
+        def observed(seq, first, rows, original=original, features=features):
+            for j, row in enumerate(rows):
+                features[(ids.index(seq.prompt_token_ids), first + j)] = row.clone()
+            original(seq, first, rows)
+
+        proposer.observe_features = observed
+        got = sd.generate(ids, params)
+        assert [o.token_ids for o in got[:2]] == [o.token_ids for o in one.generate(ids[:2], params[:2])]
+        assert [len(o.token_ids) for o in got] == [45, 30, 40]
+        assert counter.calls > (3 if steps == 4 else -1)
+    # the greedy requests' (the sampled one's text follows when its rounds drafted, which differs)
+    common = {key for key in seen[1].keys() & seen[4].keys() if key[0] < 2}
+    assert len(common) > 0.9 * len([key for key in seen[1] if key[0] < 2])
+    assert [key for key in sorted(common) if not torch.equal(seen[1][key], seen[4][key])] == []
+
+
 def test_decode_steps_must_be_positive_and_are_plain_decodings():
     from specfork.errors import SpecforkError
 
@@ -225,5 +310,7 @@ def test_decode_steps_must_be_positive_and_are_plain_decodings():
         LLM(decode_steps=0)
     with pytest.raises(SpecforkError, match="decode_steps must be at most 32"):
         LLM(decode_steps=33)
-    with pytest.raises(SpecforkError, match="--decode-steps sets how many decode steps plain decoding"):
-        LLM(mode="sd", decode_steps=2)
+    with pytest.raises(SpecforkError, match="SSD's rounds always verify drafts"):
+        LLM(mode="ssd", decode_steps=2)
+    with pytest.raises(SpecforkError, match="with a fixed --k every round verifies drafts"):
+        LLM(mode="sd", k=3, decode_steps=2)

@@ -66,8 +66,9 @@ class Config:
     cuda_graphs: bool = option(True, "on CUDA, replay decode, verify and drafting steps as CUDA graphs captured on "
                                "first use (a small model's eager step is bound by kernel launches); "
                                "--no-cuda-graphs runs every step eagerly", group=ENGINE)
-    decode_steps: int = option(DEFAULT_DECODE_STEPS, "plain decoding (--mode ar) on the CPU's one-call native path: a decode step "
-                               "takes up to this many tokens for each request without logit adjustments or "
+    decode_steps: int = option(DEFAULT_DECODE_STEPS, "plain decoding (--mode ar, and SD's rounds where --k auto "
+                               "chose not to speculate) on the CPU's one-call native path: a decode step takes up "
+                               "to this many tokens for each request without logit adjustments or "
                                "log-probabilities, greedy or sampled; their forwards run back to back in one native "
                                "call with each token chosen and fed back there (the same tokens as one step at a "
                                "time, a seeded request's too, without Python between them); 1: one token a step",
@@ -303,9 +304,11 @@ class Config:
                                 "--drafter ngram or --lookup-first N); " + (
                                     "this run (--mode sd, no lookup first) looks none up" if self.mode == "sd"
                                     else "SSD's fast backup looks n-grams up with fixed bounds (1..4)"))
-        if self.decode_steps != DEFAULT_DECODE_STEPS and self.mode != "ar":
-            raise SpecforkError("--decode-steps sets how many decode steps plain decoding (--mode ar) runs in "
-                                "one native call; a speculative round verifies its drafts instead: leave it out")
+        if self.decode_steps != DEFAULT_DECODE_STEPS and not (self.mode == "ar" or (self.mode == "sd" and self.auto_k)):
+            raise SpecforkError("--decode-steps sets how many decode steps plain decoding (--mode ar, or SD's rounds "
+                                "where --k auto chose not to speculate) runs in one native call; "
+                                + ("SSD's rounds always verify drafts" if self.mode == "ssd" else
+                                   "with a fixed --k every round verifies drafts") + ": leave it out")
         if self.quantize is None and self.quantize_group != DEFAULT_QUANTIZE_GROUP:
             raise SpecforkError("--quantize-group is the group size of --quantize; give --quantize int4 too")
 

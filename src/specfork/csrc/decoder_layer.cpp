@@ -457,14 +457,15 @@ std::vector<torch::Tensor> DecoderStack::forward(const torch::Tensor& x_in, cons
 // its uniform of that step) and the embedding lookup, compute, with no Python between them. x [B, H]
 // is the first step's input; pos_of, slot_mapping and uniforms [steps, B] the positions, cache slots
 // and uniforms of each step's rows (the block tables cover the last); seq_of, temperature, top_k and
-// top_p [B]. Returns the tokens [steps, B].
-torch::Tensor DecoderStack::decode_steps(const torch::Tensor& x, const torch::Tensor& embedding,
-                                         const std::vector<torch::Tensor>& caches, const torch::Tensor& cos,
-                                         const torch::Tensor& sin, const torch::Tensor& block_tables,
-                                         const torch::Tensor& seq_of, const torch::Tensor& pos_of,
-                                         const torch::Tensor& slot_mapping, const torch::Tensor& temperature,
-                                         const torch::Tensor& top_k, const torch::Tensor& top_p,
-                                         const torch::Tensor& uniforms) {
+// top_p [B]. Returns {tokens [steps, B], features [steps * B, |capture| H] (step by step, forward's
+// features of each step's rows; empty without `capture`)}.
+std::vector<torch::Tensor> DecoderStack::decode_steps(const torch::Tensor& x, const torch::Tensor& embedding,
+                                                      const std::vector<torch::Tensor>& caches, const torch::Tensor& cos,
+                                                      const torch::Tensor& sin, const torch::Tensor& block_tables,
+                                                      const torch::Tensor& seq_of, const torch::Tensor& pos_of,
+                                                      const torch::Tensor& slot_mapping, const torch::Tensor& temperature,
+                                                      const torch::Tensor& top_k, const torch::Tensor& top_p,
+                                                      const torch::Tensor& uniforms, const std::vector<int64_t>& capture) {
   TORCH_CHECK(!weights_.parsed()->projections.empty(), "DecoderStack.decode_steps: the stack has no LM head");
   TORCH_CHECK(pos_of.dim() == 2 && slot_mapping.sizes() == pos_of.sizes() && uniforms.sizes() == pos_of.sizes() &&
                   pos_of.size(1) == x.size(0),
@@ -477,15 +478,19 @@ torch::Tensor DecoderStack::decode_steps(const torch::Tensor& x, const torch::Te
               "DecoderStack.decode_steps: the embedding must be float32 [V, H]");
   const int64_t steps = pos_of.size(0);
   auto tokens = torch::empty({steps, B}, pos_of.options());
+  auto features = torch::empty({capture.empty() ? 0 : steps * B, static_cast<int64_t>(capture.size()) * x.size(1)},
+                               x.options());
   torch::Tensor in = x;
   for (int64_t s = 0; s < steps; ++s) {
-    const auto logits = forward(in, caches, cos, sin, block_tables, seq_of, pos_of[s], slot_mapping[s], {}, true)[2];
+    const auto out = forward(in, caches, cos, sin, block_tables, seq_of, pos_of[s], slot_mapping[s], capture, true);
+    const auto& logits = out[2];
     TORCH_CHECK(logits.size(1) <= embedding.size(0),
                 "DecoderStack.decode_steps: the LM head has more outputs than the embedding rows");
     tokens[s].copy_(next_tokens(logits, temperature, top_k, top_p, uniforms[s]));
+    if (!capture.empty()) features.narrow(0, s * B, B).copy_(out[1]);
     if (s + 1 < steps) in = embedding.index_select(0, tokens[s]);
   }
-  return tokens;
+  return {tokens, features};
 }
 
 Eagle3Step::Eagle3Step(std::vector<torch::Tensor> fc_weights, std::vector<int64_t> fc_format, torch::Tensor embedding,

@@ -118,12 +118,13 @@ class DecoderStack {
                                      const torch::Tensor& block_tables, const torch::Tensor& seq_of,
                                      const torch::Tensor& pos_of, const torch::Tensor& slot_mapping,
                                      const std::vector<int64_t>& capture, bool logits);
-  torch::Tensor decode_steps(const torch::Tensor& x, const torch::Tensor& embedding,
-                             const std::vector<torch::Tensor>& caches, const torch::Tensor& cos,
-                             const torch::Tensor& sin_signed, const torch::Tensor& block_tables,
-                             const torch::Tensor& seq_of, const torch::Tensor& pos_of, const torch::Tensor& slot_mapping,
-                             const torch::Tensor& temperature, const torch::Tensor& top_k, const torch::Tensor& top_p,
-                             const torch::Tensor& uniforms);
+  std::vector<torch::Tensor> decode_steps(const torch::Tensor& x, const torch::Tensor& embedding,
+                                          const std::vector<torch::Tensor>& caches, const torch::Tensor& cos,
+                                          const torch::Tensor& sin_signed, const torch::Tensor& block_tables,
+                                          const torch::Tensor& seq_of, const torch::Tensor& pos_of,
+                                          const torch::Tensor& slot_mapping, const torch::Tensor& temperature,
+                                          const torch::Tensor& top_k, const torch::Tensor& top_p,
+                                          const torch::Tensor& uniforms, const std::vector<int64_t>& capture);
 
  private:
   HeldWeights weights_;  // the layers; projections: the LM head, if any; floats: the final norm

@@ -265,16 +265,17 @@ class ModelRunner:
     @property
     def decodes_in_one_call(self) -> bool:
         """Whether ``decode_steps`` runs here: the model's one-call native path (CPU), one process
-        (no tensor-parallel shards to drive), no features to capture."""
-        return (self.model.decodes_in_one_call and self.parallel is None and not self.feature_layers
-                and self.graphs is None and self.native_attention_available)
+        (no tensor-parallel shards to drive)."""
+        return (self.model.decodes_in_one_call and self.parallel is None and self.graphs is None
+                and self.native_attention_available)
 
     @torch.inference_mode()
     def decode_steps(self, seqs, steps: int, draws) -> list[list[int]]:
         """``steps`` tokens for each of ``seqs`` (each with its one uncached token and KV blocks for
         ``steps`` positions), computed by the model's decode steps back to back in one native call,
         each step's tokens (chosen by ``draws``, a ``sampling.StepDraws``) the next one's input; the
-        caches end as ``steps`` decode steps leave them (``decodes_in_one_call`` must hold)."""
+        caches end as ``steps`` decode steps leave them, and ``features`` holds the captured features
+        of the positions computed, sequence by sequence (``decodes_in_one_call`` must hold)."""
         starts = [s.num_cached_tokens for s in seqs]
         windows = [[s.token_ids[-1]] + [0] * (steps - 1) for s in seqs]  # the later ids come from the call
         ids, pos, meta = self.prepare(seqs, starts, windows, None, self.deterministic, decode=True)
@@ -284,7 +285,10 @@ class ModelRunner:
         meta.seq_index = torch.arange(batch, dtype=torch.long, device=self.device)
         positions, slots = (t.view(batch, steps).t().contiguous() for t in (pos, meta.slot_mapping))
         first = ids.view(batch, steps)[:, 0]  # each window's first token: the sequence's uncached one
-        tokens = self.model.decode_steps(first, positions, self.kv_caches, meta, slots, draws)
+        tokens, features = self.model.decode_steps(first, positions, self.kv_caches, meta, slots, draws,
+                                                   self.feature_layers)
+        if self.feature_layers:  # step by step -> sequence by sequence, as a pass over the windows gives them
+            self.features = features.view(steps, batch, -1).transpose(0, 1).reshape(steps * batch, -1)
         for seq in seqs:
             seq.num_cached_tokens += steps
         return tokens.t().tolist()

@@ -85,6 +85,34 @@ def _logprobs(row: torch.Tensor, token: int, seq: Sequence) -> list[TokenLogprob
     return logprob_entries(row, [token], seq.params.logprobs)
 
 
+def decode_steps_for(batch: ScheduledBatch, limit: int, runner: ModelRunner, max_model_len: int | None) -> int:
+    """How many decode steps ``batch`` runs in one native call (at most ``limit``): 1 unless it is a
+    decode batch whose requests have nothing to adjust or report and the runner can; never past a
+    request's max_tokens or the model's length (a request that stops earlier, at EOS or a stop
+    string, takes the tokens up to it and the rest are dropped, as a speculative round's are)."""
+    if limit == 1 or batch.is_prefill or any(n != 1 for n in batch.num_new_tokens):
+        return 1
+    if not runner.decodes_in_one_call:  # the one-call path taken away since (a benchmark's module path)
+        return 1
+    steps = limit
+    for seq in batch.seqs:
+        params = seq.params
+        if params.logprobs is not None or seq.history().adjusts:
+            return 1
+        steps = min(steps, params.max_tokens - seq.num_output_tokens)
+        if max_model_len is not None:
+            steps = min(steps, max_model_len - len(seq))
+    return max(steps, 1)
+
+
+def run_decode_steps(runner: ModelRunner, seqs: list[Sequence], steps: int) -> dict[Sequence, NewTokens]:
+    """``steps`` tokens for each of ``seqs`` from one native call (``decode_steps_for`` allowed it),
+    each sampled request's draws taken from its generator as that many steps would take them."""
+    draws = step_draws([s.params for s in seqs], [s.generator for s in seqs], steps, runner.device)
+    tokens = runner.decode_steps(seqs, steps, draws)
+    return {s: NewTokens(ids) for s, ids in zip(seqs, tokens, strict=True)}
+
+
 class AutoregressiveStep:
     """Plain decoding: one forward pass, one new token per sequence; or, where the runner can and
     no sequence of a decode batch has logits to adjust or log-probabilities to report, up to
@@ -99,36 +127,14 @@ class AutoregressiveStep:
         self.max_model_len = max_model_len
 
     def execute(self, batch: ScheduledBatch) -> dict[Sequence, NewTokens]:
-        steps = self._steps(batch)
+        steps = decode_steps_for(batch, self.decode_steps, self.runner, self.max_model_len)
         if steps > 1:
-            seqs = batch.seqs
-            draws = step_draws([s.params for s in seqs], [s.generator for s in seqs], steps, self.runner.device)
-            tokens = self.runner.decode_steps(seqs, steps, draws)
-            return {s: NewTokens(ids) for s, ids in zip(seqs, tokens, strict=True)}
+            return run_decode_steps(self.runner, batch.seqs, steps)
         logits = self.runner.run_batch(batch)
         sampling = [s for s, samples in zip(batch.seqs, batch.samples, strict=True) if samples]
         if not sampling:
             return {}
         return sample_new_tokens(logits, sampling)
-
-    def _steps(self, batch: ScheduledBatch) -> int:
-        """How many decode steps ``batch`` runs in one call: 1 unless it is a decode batch whose
-        requests have nothing to adjust or report; never past a request's max_tokens or the
-        model's length (a request that stops earlier, at EOS or a stop string, takes the tokens up
-        to it and the rest are dropped, as a speculative round's are)."""
-        if self.decode_steps == 1 or batch.is_prefill or any(n != 1 for n in batch.num_new_tokens):
-            return 1
-        if not self.runner.decodes_in_one_call:  # the one-call path taken away since (a benchmark's module path)
-            return 1
-        steps = self.decode_steps
-        for seq in batch.seqs:
-            params = seq.params
-            if params.logprobs is not None or seq.history().adjusts:
-                return 1
-            steps = min(steps, params.max_tokens - seq.num_output_tokens)
-            if self.max_model_len is not None:
-                steps = min(steps, self.max_model_len - len(seq))
-        return max(steps, 1)
 
     def committed(self, seq: Sequence) -> None:
         pass

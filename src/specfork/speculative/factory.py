@@ -44,7 +44,8 @@ def build_speculative_step(engine: LLMEngine) -> SpeculativeStep:
 
         draft_s = 0.0 if config.drafter == "ngram" else proposer.draft_step_seconds()
         auto_k = AutoK(measure_step_costs(engine.runner, engine.block_manager, draft_s, engine.max_model_len))
-    return SpeculativeStep(engine.runner, proposer, k=config.k_max, max_model_len=engine.max_model_len, auto_k=auto_k)
+    return SpeculativeStep(engine.runner, proposer, k=config.k_max, max_model_len=engine.max_model_len, auto_k=auto_k,
+                           decode_steps=config.decode_steps)
 
 
 def _lookup_corpus(engine: LLMEngine) -> LookupCorpus | None:

@@ -12,7 +12,7 @@ from specfork.engine.logprobs import logprob_entries
 from specfork.engine.model_runner import ModelRunner
 from specfork.engine.scheduler import ScheduledBatch
 from specfork.engine.sequence import Sequence
-from specfork.engine.step import NewTokens, StepHealth, sample_new_tokens
+from specfork.engine.step import NewTokens, StepHealth, decode_steps_for, run_decode_steps, sample_new_tokens
 from specfork.sampling import adjust_logits_, filtered_probs, greedy_tokens, native_sampler
 from specfork.speculative.auto_k import AutoK
 from specfork.speculative.proposer import Proposal, Proposer
@@ -87,14 +87,17 @@ class SpeculativeStep:
     """One round per decode step: each sequence gets up to ``k`` proposals verified together."""
 
     def __init__(self, target: ModelRunner, proposer: Proposer, *, k: int, max_model_len: int,
-                 auto_k: AutoK | None = None) -> None:
-        """With ``auto_k``, each round proposes the number of tokens it currently chooses (at most ``k``)."""
+                 auto_k: AutoK | None = None, decode_steps: int = 1) -> None:
+        """With ``auto_k``, each round proposes the number of tokens it currently chooses (at most
+        ``k``); a round where it chooses none for the whole batch decodes up to ``decode_steps``
+        tokens in one native call, as plain decoding does (at most k + 1: the slots a round reserves)."""
         self.target = target
         self.proposer = proposer
         self.k = k
         self.auto_k = auto_k
         self.lookahead = k
         self.max_model_len = max_model_len
+        self.plain_steps = min(decode_steps, k + 1) if target.decodes_in_one_call else 1
         self._accepted: dict[int, int] = {}  # seq_id -> drafts accepted in its last round
         if proposer.feature_layers:
             target.capture_features(proposer.feature_layers)
@@ -106,15 +109,17 @@ class SpeculativeStep:
         ks = self.auto_k.ks_for_round(len(seqs)) if self.auto_k is not None else [self.k] * len(seqs)
         t0 = time.perf_counter()
         if not any(ks):  # k auto chose plain decoding (SSD's k is fixed: its drafter hears of every round)
-            out = self._plain_pass(batch)
+            steps = decode_steps_for(batch, self.plain_steps, self.target, self.max_model_len)
+            out = self._plain_pass(batch) if steps == 1 else self._plain_steps(seqs, steps)
             seconds = time.perf_counter() - t0
             for seq in seqs:
                 self._accepted[seq.seq_id] = 0
                 stats = _spec_stats(seq)
-                stats.record(0, 0, 0.0, seconds)
-                stats.last_round = (seq.num_output_tokens, 1)
+                for _ in range(steps):  # a plain round per token, as one step a call counts them
+                    stats.record(0, 0, 0.0, seconds / steps)
+                stats.last_round = (seq.num_output_tokens, steps)
             if self.auto_k is not None:
-                self.auto_k.end_round(ks, seconds)
+                self.auto_k.end_round(ks, seconds / steps)  # priced as one plain step
             return out
         asked = [self._budget(s, k) for s, k in zip(seqs, ks, strict=True)]
         proposal = self.proposer.propose(seqs, asked)
@@ -158,6 +163,13 @@ class SpeculativeStep:
         self._share_features(batch.seqs, starts, _spans(batch.num_new_tokens))
         sampling = [s for s, samples in zip(batch.seqs, batch.samples, strict=True) if samples]
         return sample_new_tokens(logits, sampling) if sampling else {}
+
+    def _plain_steps(self, seqs: list[Sequence], steps: int) -> dict[Sequence, NewTokens]:
+        """``steps`` plain decode steps in one native call, their features handed to the proposer."""
+        starts = [s.num_cached_tokens for s in seqs]
+        out = run_decode_steps(self.target, seqs, steps)
+        self._share_features(seqs, starts, _spans([steps] * len(seqs)))
+        return out
 
     def committed(self, seq: Sequence) -> None:
         """The engine appended this round's tokens to ``seq``."""
