@@ -99,8 +99,6 @@ def _engine_options(mode: str, s: BenchSettings) -> dict:
     # their prefill in AR and not under an EAGLE-3 head (which cannot use the cache).
     options = {"threads": s.threads, "max_num_seqs": max(s.batch_size, 1), "tensor_parallel_size": s.tensor_parallel_size,
                "weights": s.weights, "device": s.device, "cuda_graphs": s.cuda_graphs, "prefix_caching": False}
-    if mode == "ar":
-        options.update(decode_steps=s.decode_steps)
     if mode == "sd":
         options.update(mode="sd", draft=s.draft, k=s.k, draft_confidence=s.draft_confidence,
                        lookup_first=s.lookup_first)
@@ -114,7 +112,14 @@ def _engine_options(mode: str, s: BenchSettings) -> dict:
         options.update(mode="ssd", draft=s.draft, k=s.k, fan_out=s.fan_out, backup=s.backup, threads=None,
                        target_cores=s.target_cores, draft_cores=s.draft_cores,
                        drafter_rank=s.tensor_parallel_size if s.ssd_drafter == "rank" else None)
+    if _takes_decode_steps(mode, s):
+        options.update(decode_steps=s.decode_steps)
     return options
+
+
+def _takes_decode_steps(mode: str, s: BenchSettings) -> bool:
+    """Whether a run of ``mode`` reads --decode-steps: AR, and SD's plain rounds at k auto."""
+    return mode == "ar" or (mode in ("sd", "ngram") and (s.k is None or s.k == "auto"))
 
 
 def run_interleaved(modes: list[str], dataset: str, prompts: list[list[int]], s: BenchSettings,
@@ -273,7 +278,7 @@ def _cell_settings(mode: str, s: BenchSettings) -> dict:
         keep |= {"tensor_parallel_size"}
     if s.weights != "native":
         keep |= {"weights"}
-    if mode == "ar" and s.decode_steps != DEFAULT_DECODE_STEPS:
+    if _takes_decode_steps(mode, s) and s.decode_steps != DEFAULT_DECODE_STEPS:
         keep |= {"decode_steps"}
     if s.device != "cpu":
         keep |= {"device", "cuda_graphs"}

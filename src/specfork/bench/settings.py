@@ -29,7 +29,7 @@ SWEEPABLE = {"k": int_or_auto, "draft_confidence": float, "lookup_first": int, "
 MODE_OPTIONS = {"draft": ("sd", "ssd"), "k": ("sd", "ssd", "ngram"), "draft_confidence": ("sd",),
                 "lookup_first": ("sd",), "lookup_corpus": ("sd", "ngram"), "corpus_tokens": ("sd", "ngram"),
                 "fan_out": ("ssd",), "backup": ("ssd",), "ssd_drafter": ("ssd",), "target_cores": ("ssd",),
-                "draft_cores": ("ssd",), "decode_steps": ("ar",)}
+                "draft_cores": ("ssd",), "decode_steps": ("ar", "sd", "ngram")}
 PEER_OPTIONS = {"draft": ("transformers",)}  # its assisted generation drafts with the same draft
 
 
@@ -84,8 +84,8 @@ class BenchSettings:
     cuda_graphs: bool = option(True, "specfork runs on CUDA: the engine's --cuda-graphs (decode, verify and drafting "
                                "steps replayed as CUDA graphs; --no-cuda-graphs: eager; sweep it as "
                                "cuda_graphs=off,on)")
-    decode_steps: int = option(DEFAULT_DECODE_STEPS, "specfork AR runs: the engine's --decode-steps (decode steps run back to "
-                               "back in one native call; 1: one a call)")
+    decode_steps: int = option(DEFAULT_DECODE_STEPS, "specfork AR runs and SD's (sd, ngram) at k auto: the engine's --decode-steps "
+                               "(decode steps run back to back in one native call; 1: one a call)")
     threads: int | None = option(None, "torch threads for AR/SD and peers (default: torch's)")
     repeat: int = option(1, "timed runs; the median is reported (a point's modes and peers, SSD aside, are "
                          "timed interleaved, prompt group by prompt group)")
