@@ -368,6 +368,12 @@ def test_bench_refuses_settings_that_no_run_reads(tiny):
     assert [r["settings"]["input_len"] for r in swept["results"]] == [8, 12]
     with pytest.raises(SpecforkError, match="top_p filters sampling at temperature > 0"):
         run_benchmark(_settings(tiny, modes=("ar",)), parse_sweep("top_p=0.5,1.0"), progress=False)
+    # decode steps: AR reads them, SD only at k auto (its plain rounds), SSD never
+    with pytest.raises(SpecforkError, match="only the ar, sd, ngram modes read decode_steps"):
+        _settings(tiny, modes=("ssd",), decode_steps=2)
+    with pytest.raises(SpecforkError, match="SD's runs read it only at k auto"):
+        _settings(tiny, modes=("sd",), k=3, decode_steps=2)
+    assert _settings(tiny, modes=("sd",), k="auto", decode_steps=2).decode_steps == 2
 
 
 def test_bench_sweeps_lookup_first(tiny, tmp_path, capsys):

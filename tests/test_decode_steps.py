@@ -303,6 +303,28 @@ def test_sd_plain_steps_in_a_batch_hand_each_sequence_its_own_features(engines):
     assert [key for key in sorted(common) if not torch.equal(seen[1][key], seen[4][key])] == []
 
 
+def test_sd_plain_steps_that_stop_inside_a_call_count_their_rounds_and_cache_the_heads_rows():
+    """A request stopping at a stop string inside a call of plain steps: its rounds count only the
+    tokens kept (a plain round per token), and the head's rows of the whole text reach the prefix
+    cache, so a conversation's next turn reuses as much of its prompt as with one step a call."""
+    prompt = encoded(LLM(kv_cache_tokens=1024))[1]
+    reused = {}
+    for steps in (1, 4):
+        sd = LLM(mode="sd", decode_steps=steps, kv_cache_tokens=4096)
+        assert sd.engine.step_strategy.proposer.feature_layers  # the shipped head reads the target's features
+        ForcedK(sd, lambda n: 0)
+        counter = CallCounter(sd)
+        first = sd.generate([prompt], SamplingParams(temperature=0.0, max_tokens=200, stop=["\n\n"]))[0]
+        m = first.metrics
+        assert first.finish_reason == "stop" and len(first.token_ids) % 4 != 1  # 1 + calls of 4: it stops inside one
+        assert (counter.calls > 0) == (steps > 1)
+        assert m["spec_rounds"] == m["spec_rounds_without_drafts"] == m["spec_tokens_emitted"] == len(first.token_ids) - 1
+        follow_up = prompt + first.token_ids + sd.engine.encode_prompt(" And then?")
+        reused[steps] = sd.generate([follow_up], SamplingParams(temperature=0.0, max_tokens=2))[0].metrics[
+            "num_cached_prompt_tokens"]
+    assert reused[4] == reused[1] > len(prompt) + 32  # the prompt and the first answer's whole blocks
+
+
 def test_decode_steps_must_be_positive_and_are_plain_decodings():
     from specfork.errors import SpecforkError
 

@@ -149,6 +149,9 @@ class BenchSettings:
         for name in MODE_OPTIONS:
             if getattr(self, name) != defaults[name].default:
                 self.check_read(name, f"{name} {getattr(self, name)!r}")
+        if self.decode_steps != DEFAULT_DECODE_STEPS and "ar" not in self.modes and isinstance(self.k, int):
+            raise SpecforkError(f"decode_steps {self.decode_steps}: SD's runs read it only at k auto (the rounds where "
+                                f"it decodes plainly) and k is {self.k}: add ar to --modes, or leave decode_steps out")
 
     def check_read(self, name: str, what: str) -> None:
         """``what`` (an option's value, or a sweep axis) is refused where none of --modes (and no

@@ -69,8 +69,10 @@ class Eagle3Proposer:
         has not yet run (a round's last accepted tokens; a whole prompt if it never drafted), so
         that a later prompt repeating its tokens (a conversation's next turn) finds the head's rows
         for all of them and the target's blocks can be taken as far. About a row of the head per
-        token, 1/15-1/20 of the target's cost; skipped when the cache has no room."""
+        token, 1/15-1/20 of the target's cost; skipped when the cache has no room. Features of
+        tokens a stop cut off (computed in the same round or call) are dropped first."""
         context = seq.token_ids
+        st.trim(len(context))
         if (not self.drafts.blocks.prefix_caching or not st.num_features or not st.ready(len(context))
                 or not self.drafts.blocks.can_grow(st, len(context) - 1)):
             return

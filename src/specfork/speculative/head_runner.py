@@ -62,6 +62,17 @@ class HeadState(DraftState):
         caught_up = self.num_features > 0 or self.last_out is not None
         return not self.broken and caught_up and self.clean + self.num_features == context_len - 1
 
+    def trim(self, context_len: int) -> None:
+        """Drop the waiting features of positions past ``context_len - 1``: tokens the target
+        computed and a stop then cut off (EOS or a stop string inside a round or a call of several
+        decode steps), so that what remains is ``ready`` for the context kept."""
+        excess = self.clean + self.num_features - (context_len - 1)
+        if excess <= 0 or excess > self.num_features:
+            return
+        rows = _joined(self.features)[: self.num_features - excess] if self.features else None
+        self.features = [rows] if rows is not None and len(rows) else []
+        self.num_features -= excess
+
     def take_features(self) -> torch.Tensor:
         rows = _joined(self.features)
         self.features, self.num_features = [], 0

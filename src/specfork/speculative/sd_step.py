@@ -33,7 +33,8 @@ class SpecStats:
     draft_time_s: float = 0.0
     target_time_s: float = 0.0
     by_source: dict[str, dict[str, int]] = field(default_factory=dict)  # source -> rounds, proposed, accepted
-    last_round: tuple[int, int] = (0, 0)  # (output tokens before it, tokens it produced)
+    # (output tokens before it, tokens it produced, whether each token was a plain round of its own)
+    last_round: tuple[int, int, bool] = (0, 0, False)
 
     def record(self, proposed: int, accepted: int, draft_s: float, target_s: float, source: str | None = None) -> None:
         self.rounds += 1
@@ -58,10 +59,15 @@ class SpecStats:
     def end(self, num_output_tokens: int) -> None:
         """The request finished with ``num_output_tokens``: a stop (EOS, a stop string or id) in its
         last round dropped the tokens after it, which are not emitted. The drafts' acceptance
-        (accepted, by position) still counts what the target verified."""
-        before, produced = self.last_round
-        self.emitted -= max(0, produced - (num_output_tokens - before))
-        self.last_round = (num_output_tokens, 0)
+        (accepted, by position) still counts what the target verified; plain rounds of the dropped
+        tokens (several decode steps in one call) are not counted."""
+        before, produced, plain = self.last_round
+        dropped = max(0, produced - (num_output_tokens - before))
+        self.emitted -= dropped
+        if plain:
+            self.rounds -= dropped
+            self.rounds_without_drafts -= dropped
+        self.last_round = (num_output_tokens, 0, False)
 
     def as_metrics(self) -> dict:
         return {
@@ -117,7 +123,7 @@ class SpeculativeStep:
                 stats = _spec_stats(seq)
                 for _ in range(steps):  # a plain round per token, as one step a call counts them
                     stats.record(0, 0, 0.0, seconds / steps)
-                stats.last_round = (seq.num_output_tokens, steps)
+                stats.last_round = (seq.num_output_tokens, steps, True)
             if self.auto_k is not None:
                 self.auto_k.end_round(ks, seconds / steps)  # priced as one plain step
             return out
@@ -142,7 +148,7 @@ class SpeculativeStep:
             self._accepted[seq.seq_id] = result.num_accepted
             stats = _spec_stats(seq)
             stats.record(len(props), result.num_accepted, draft_s, target_s, source)
-            stats.last_round = (seq.num_output_tokens, len(result.tokens))
+            stats.last_round = (seq.num_output_tokens, len(result.tokens), False)
             if self.auto_k is not None:
                 self.auto_k.observe(budget, result.num_accepted)  # a position left empty yields nothing
             logprobs = None
