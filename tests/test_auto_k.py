@@ -269,6 +269,35 @@ def test_a_slow_stretch_of_plain_rounds_does_not_hold_k_auto_at_speculating():
     assert auto.current.k == 0 and after[-8:].count(0) >= 7, after
 
 
+def test_plain_rounds_in_one_call_leave_k_auto_as_rounds_one_at_a_time_leave_it():
+    """SD runs several plain rounds in one call where k auto allows (``plain_rounds``): never past
+    the next probe or re-plan, so the rounds' choices, the probes and what k auto learns are those
+    of one round at a time; while speculating a plain probe is one round."""
+    steep = StepCosts(draft_s=0.002, verify_s=tuple(0.010 * m for m in range(1, 10)))  # plain decoding wins
+
+    def run(batched: bool) -> tuple[list[int], AutoK, list[int]]:
+        auto, ks_per_round, calls = AutoK(steep), [], []
+        while len(ks_per_round) < 200:
+            ks = auto.ks_for_round()
+            n = auto.plain_rounds() if batched and not any(ks) else 1
+            if any(ks):
+                auto.observe(ks[0], 0)
+            auto.end_round(ks, n * modelled_round_s(steep, max(ks)), rounds=n)
+            ks_per_round += ks * n
+            calls.append(n)
+        return ks_per_round, auto, calls
+
+    single, one_at_a_time, _ = run(False)
+    batched, several, calls = run(True)
+    assert batched == single and 1 in single  # the same probes, at the same tokens
+    assert several.rounds == one_at_a_time.rounds and several.rounds_by_k == one_at_a_time.rounds_by_k
+    assert several.current == one_at_a_time.current and several.alpha == pytest.approx(one_at_a_time.alpha)
+    assert several.overhead(0) == pytest.approx(one_at_a_time.overhead(0))
+    assert max(calls) == 8 and len(calls) < 60  # calls of up to a re-plan's 8 rounds
+    speculating = AutoK(StepCosts(draft_s=0.0001, verify_s=tuple([0.010] * 9)))
+    assert speculating.current.k > 0 and speculating.plain_rounds() == 1
+
+
 def test_probes_of_a_longer_window_correct_step_costs_measured_too_high():
     """The start-up measurement priced windows of 3 or more rows 1.6x too high (a noisy moment),
     so k auto starts at k = 1, and every k it does not run borrows k = 1's correction. Real rounds

@@ -228,7 +228,9 @@ class ForcedK:
 
     def __init__(self, llm: LLM, k_of) -> None:
         self.llm, self.k_of = llm, k_of
-        llm.engine.step_strategy.auto_k.ks_for_round = self.ks_for_round
+        auto_k = llm.engine.step_strategy.auto_k
+        auto_k.ks_for_round = self.ks_for_round
+        auto_k.plain_rounds = lambda: 32  # no probe or re-plan of its own to wait for
 
     def ks_for_round(self, batch: int = 1) -> list[int]:
         return [self.k_of(min(s.num_output_tokens for s in self.llm.engine.scheduler.running))] * batch

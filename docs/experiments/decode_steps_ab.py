@@ -29,13 +29,14 @@ def main() -> None:
         settings = [1, *settings]
     torch.set_num_threads(2)
     engines = {g: LLM(decode_steps=g, threads=2, prefix_caching=False) for g in settings}
-    prompts = [encode(engines[1], p) for ds in ("humaneval", "sharegpt") for p in load_prompts(ds, "eval", per_set)]
+    prompts = [encode(engines[1], p) for ds in ("humaneval", "sharegpt")
+               for p in load_prompts(ds, "eval", per_set)]
     rates = {g: [] for g in settings}
     first = {}
     for rep in range(2):
         for i, prompt in enumerate(prompts):
-            params = SamplingParams(temperature=temperature, top_p=0.95 if temperature else 1.0, max_tokens=256,
-                                    ignore_eos=True, seed=i if temperature else None)
+            params = SamplingParams(temperature=temperature, top_p=0.95 if temperature else 1.0,
+                                    max_tokens=256, ignore_eos=True, seed=i if temperature else None)
             for g in settings if (rep + i) % 2 == 0 else settings[::-1]:
                 start = time.perf_counter()
                 out = engines[g].generate([prompt], params)[0]

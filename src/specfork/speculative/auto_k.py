@@ -284,9 +284,26 @@ class AutoK:
         self.run_accepted = self.run_accepted * forget + accepted
         self.run_trials = self.run_trials * forget + trials
 
-    def end_round(self, ks: list[int], seconds: float) -> None:
+    def plain_rounds(self) -> int:
+        """How many plain rounds (every sequence at k = 0) may run back to back from the current
+        one, as one call of several decode steps, before a round that may choose otherwise: the
+        next probe, or the round after the next re-plan. 1 while speculating (a plain probe)."""
+        if self.current.k > 0:
+            return 1
+        to_probe = (FIRST_PROBE - self.rounds) % PROBE_EVERY or PROBE_EVERY  # the next probe's round, ahead
+        return max(1, min(to_probe, REPLAN_EVERY - self._since_plan))
+
+    def end_round(self, ks: list[int], seconds: float, rounds: int = 1) -> None:
         """A round whose sequences proposed up to ``ks`` tokens each took ``seconds`` of wall
-        time (a round mixing several k, a probe in a batch, is priced by no single k)."""
+        time (a round mixing several k, a probe in a batch, is priced by no single k); with
+        ``rounds`` > 1, that many plain rounds ran in one call (``plain_rounds`` allowed them) and
+        count as one step a call counts them, each taking an equal share of ``seconds``."""
+        for i in range(rounds):
+            if i:
+                self.rounds += 1
+            self._end_one_round(ks, seconds / rounds)
+
+    def _end_one_round(self, ks: list[int], seconds: float) -> None:
         k, batch = max(ks), len(ks)
         self.rounds_by_k[f"k={k}" if min(ks) == k else "probe"] += 1
         ratio = seconds / max(modelled_round_s(self.costs, k, batch), 1e-9)  # measured / modelled

@@ -115,7 +115,8 @@ class SpeculativeStep:
         ks = self.auto_k.ks_for_round(len(seqs)) if self.auto_k is not None else [self.k] * len(seqs)
         t0 = time.perf_counter()
         if not any(ks):  # k auto chose plain decoding (SSD's k is fixed: its drafter hears of every round)
-            steps = decode_steps_for(batch, self.plain_steps, self.target, self.max_model_len)
+            limit = self.plain_steps if self.auto_k is None else min(self.plain_steps, self.auto_k.plain_rounds())
+            steps = decode_steps_for(batch, limit, self.target, self.max_model_len)
             out = self._plain_pass(batch) if steps == 1 else self._plain_steps(seqs, steps)
             seconds = time.perf_counter() - t0
             for seq in seqs:
@@ -125,7 +126,7 @@ class SpeculativeStep:
                     stats.record(0, 0, 0.0, seconds / steps)
                 stats.last_round = (seq.num_output_tokens, steps, True)
             if self.auto_k is not None:
-                self.auto_k.end_round(ks, seconds / steps)  # priced as one plain step
+                self.auto_k.end_round(ks, seconds, rounds=steps)  # a plain round per token, as one step a call
             return out
         asked = [self._budget(s, k) for s, k in zip(seqs, ks, strict=True)]
         proposal = self.proposer.propose(seqs, asked)
