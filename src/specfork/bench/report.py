@@ -228,8 +228,8 @@ def _acceptance_lines(report: dict) -> list[str]:
     chosen = [f"* {_label(r)}, {r['dataset']}: {auto_k_summary(r['auto_k_rounds'])}"
               for r in report["results"] if r.get("auto_k_rounds")]
     if chosen:
-        out += ["", "k auto's decode rounds by k (share of the timed rounds, a call of several plain decode steps "
-                "counting as one; probe: one sequence of the batch speculated, the others decoded plainly):", *chosen]
+        out += ["", "k auto's decode rounds by k (share of the timed rounds, each plain decode step a round; probe: "
+                "one sequence of the batch speculated, the others decoded plainly):", *chosen]
     return out
 
 
