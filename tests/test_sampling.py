@@ -289,8 +289,8 @@ def test_the_native_draw_is_the_pytorch_draw_with_the_same_uniforms():
 
 
 @needs_kernel
-def test_next_tokens_choose_what_sample_tokens_chooses_step_by_step():
-    """The kernel a call of several decode steps samples with (``next_tokens``, fed by
+def test_the_native_draw_chooses_what_sample_tokens_chooses_step_by_step():
+    """The kernel a call of several decode steps samples with (``sample_logit_rows``, fed by
     ``step_draws``) against ``sample_tokens`` one step at a time with the same generators: greedy
     rows (ties, NaN, -inf), temperature alone, top-k (0, 1, past the vocabulary), top-p and both,
     over three steps whose rows differ; a greedy row takes no uniform from its generator."""
@@ -308,7 +308,7 @@ def test_next_tokens_choose_what_sample_tokens_chooses_step_by_step():
     expected = [sample_tokens(r, params, expected_gens) for r in rows]
     gens = [torch.Generator().manual_seed(i) for i in range(n)]
     draws = step_draws(params, gens, steps, torch.device("cpu"))
-    got = [native_kernels().next_tokens(r, draws.temperature, draws.top_k, draws.top_p, draws.uniforms[s]).tolist()
+    got = [native_kernels().sample_logit_rows(r, draws.temperature, draws.top_k, draws.top_p, draws.uniforms[s]).tolist()
            for s, r in enumerate(rows)]
     assert got == expected
     assert got[0][0] == 5 and got[1][7] == 11 and got[2][14] == 0

@@ -375,7 +375,7 @@ def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
 @dataclass(frozen=True, slots=True)
 class StepDraws:
     """What several decode steps in one native call need to choose each row's token at every step
-    as ``sample_tokens`` would one step at a time (the kernels' ``next_tokens``): per row [B] its
+    as ``sample_tokens`` would one step at a time (the kernels' ``sample_logit_rows``): per row [B] its
     temperature (0: a greedy row, its argmax), top-k and top-p, and per step and row [steps, B] the
     uniform of its draw."""
 

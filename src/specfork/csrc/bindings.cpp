@@ -25,8 +25,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "every decoder layer, the final norm and (with logits) the LM head of a decode/verify step")
       .def("decode_steps", &DecoderStack::decode_steps, py::call_guard<py::gil_scoped_release>(),
            "several decode steps, each step's tokens (argmax or drawn) the next one's input");
-  m.def("sample_logit_rows", &sample_logit_rows, py::call_guard<py::gil_scoped_release>(), "one token per row from the filtered softmax(logits / temperature), fused");
-  m.def("next_tokens", &next_tokens, py::call_guard<py::gil_scoped_release>(), "one token per row: the argmax at temperature 0, else sample_logit_rows' draw");
+  m.def("sample_logit_rows", &sample_logit_rows, py::call_guard<py::gil_scoped_release>(), "one token per row from the filtered softmax(logits / temperature), fused (the argmax at temperature 0)");
   m.def("filtered_prob_rows", &filtered_prob_rows, py::call_guard<py::gil_scoped_release>(), "each row's probabilities after its temperature, top-k and top-p");
   m.def("sample_weight_rows", &sample_weight_rows, py::call_guard<py::gil_scoped_release>(), "one token per row of weights with the row's uniform (inverse transform)");
   m.def("verify_logit_rows", &verify_logit_rows, py::call_guard<py::gil_scoped_release>(), "speculative sampling's verification of one sequence from its logits");

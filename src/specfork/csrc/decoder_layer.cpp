@@ -453,7 +453,7 @@ std::vector<torch::Tensor> DecoderStack::forward(const torch::Tensor& x_in, cons
 
 // `steps` decode steps of B sequences in one call, each step's tokens the next one's input (their
 // embedding rows): what `steps` calls of forward, each followed by the sampler's choice of a token per
-// row (next_tokens: the argmax of a greedy row, temperature 0, else a draw with the row's filter and
+// row (sample_logit_rows: the argmax of a greedy row, temperature 0, else a draw with the row's filter and
 // its uniform of that step) and the embedding lookup, compute, with no Python between them. x [B, H]
 // is the first step's input; pos_of, slot_mapping and uniforms [steps, B] the positions, cache slots
 // and uniforms of each step's rows (the block tables cover the last); seq_of, temperature, top_k and
@@ -486,7 +486,7 @@ std::vector<torch::Tensor> DecoderStack::decode_steps(const torch::Tensor& x, co
     const auto& logits = out[2];
     TORCH_CHECK(logits.size(1) <= embedding.size(0),
                 "DecoderStack.decode_steps: the LM head has more outputs than the embedding rows");
-    tokens[s].copy_(next_tokens(logits, temperature, top_k, top_p, uniforms[s]));
+    tokens[s].copy_(sample_logit_rows(logits, temperature, top_k, top_p, uniforms[s]));
     if (!capture.empty()) features.narrow(0, s * B, B).copy_(out[1]);
     if (s + 1 < steps) in = embedding.index_select(0, tokens[s]);
   }

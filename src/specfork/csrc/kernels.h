@@ -155,15 +155,12 @@ class Eagle3Step {
   double eps_, scale_;
 };
 
-// sampling.cpp: one token per row drawn from the filtered softmax(logits / temperature) with the row's
-// uniform (sampling.py's sample_from_probs over logits_to_probs, fused); each row's temperature
-// (float32), top-k (int64, 0: off) and top-p (float32, 1: off).
+// sampling.cpp: one token per row of logits [N, V] (sampling.py's sample_tokens): drawn from the filtered
+// softmax(logits / temperature) with the row's uniform (sample_from_probs over logits_to_probs, fused),
+// or, where the row's temperature is 0, its first largest logit (a NaN first of all); each row's
+// temperature (float32), top-k (int64, 0: off) and top-p (float32, 1: off).
 torch::Tensor sample_logit_rows(const torch::Tensor& logits, const torch::Tensor& temperature,
                                 const torch::Tensor& top_k, const torch::Tensor& top_p, const torch::Tensor& uniforms);
-// sampling.py's sample_tokens: one token per row of logits [N, V], the first largest logit (a NaN
-// first of all) where the row's temperature is 0, else sample_logit_rows' draw with the row's uniform.
-torch::Tensor next_tokens(const torch::Tensor& logits, const torch::Tensor& temperature, const torch::Tensor& top_k,
-                          const torch::Tensor& top_p, const torch::Tensor& uniforms);
 // sampling.py's logits_to_probs: each row's probabilities [N, V] float32 after its temperature, top-k
 // and top-p.
 torch::Tensor filtered_prob_rows(const torch::Tensor& logits, const torch::Tensor& temperature,

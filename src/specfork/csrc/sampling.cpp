@@ -373,23 +373,6 @@ torch::Tensor sample_logit_rows(const torch::Tensor& logits, const torch::Tensor
   check_rows("sample_logit_rows", logits);
   check_uniforms("sample_logit_rows", logits, uniforms);
   const RowSettings settings = row_settings("sample_logit_rows", logits, temperature, top_k, top_p);
-  const int64_t vocab = logits.size(1);
-  auto tokens = torch::empty({logits.size(0)}, torch::kInt64);
-  const float* x = logits.data_ptr<float>();
-  const double* u = uniforms.data_ptr<double>();
-  int64_t* out = tokens.data_ptr<int64_t>();
-  each_row(logits.size(0), vocab, [&](int64_t r, RowScratch& s) {
-    const float* row = x + r * vocab;
-    out[r] = draw_row(row, vocab, settings.filter(row, vocab, r, s), u[r], s);
-  });
-  return tokens;
-}
-
-torch::Tensor next_tokens(const torch::Tensor& logits, const torch::Tensor& temperature, const torch::Tensor& top_k,
-                          const torch::Tensor& top_p, const torch::Tensor& uniforms) {
-  check_rows("next_tokens", logits);
-  check_uniforms("next_tokens", logits, uniforms);
-  const RowSettings settings = row_settings("next_tokens", logits, temperature, top_k, top_p);
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   auto tokens = torch::empty({rows}, torch::kInt64);
   const float* x = logits.data_ptr<float>();
