@@ -2,11 +2,13 @@
 in one process: the three engines alternating request by request (the order reversed every other
 request), each request seeded.
 
-    python docs/experiments/sd_plain_steps_ab.py TEMPERATURE [PROMPTS_PER_SET]
+    python docs/experiments/sd_plain_steps_ab.py TEMPERATURE [PROMPTS_PER_SET] [plain]
 
 Defaults: 4 HumanEval and 4 ShareGPT eval prompts, 256 tokens each (EOS ignored), top-p 0.95 at a
-temperature above 0. Prints each engine's median tok/s and its ratio to AR's, and the share of each SD
-engine's rounds (a plain round per token) that proposed nothing.
+temperature above 0. With ``plain``, k auto's choice is replaced by plain decoding in every round
+(SD's plain rounds alone; until 2026-12-07 sd_plain_rounds_forced.py, 3 prompts per set). Prints
+each engine's median tok/s and its ratio to AR's, and the share of each SD engine's rounds (a plain
+round per token) that proposed nothing.
 """
 
 import statistics
@@ -22,10 +24,15 @@ from specfork.datasets import encode, load_prompts
 def main() -> None:
     temperature = float(sys.argv[1])
     per_set = int(sys.argv[2]) if len(sys.argv) > 2 else 4
+    every_round_plain = len(sys.argv) > 3 and sys.argv[3] == "plain"
     torch.set_num_threads(2)
     engines = {"ar": LLM(threads=2, prefix_caching=False),
                "sd": LLM(mode="sd", threads=2, prefix_caching=False),
                "sd, decode_steps=1": LLM(mode="sd", threads=2, prefix_caching=False, decode_steps=1)}
+    if every_round_plain:
+        for name, llm in engines.items():
+            if name != "ar":
+                llm.engine.step_strategy.auto_k.ks_for_round = lambda batch=1: [0] * batch
     prompts = [encode(engines["ar"], p) for ds in ("humaneval", "sharegpt")
                for p in load_prompts(ds, "eval", per_set)]
     rates = {name: [] for name in engines}
@@ -41,9 +48,10 @@ def main() -> None:
                 plain[name][0] += out.metrics["spec_rounds_without_drafts"]
                 plain[name][1] += out.metrics["spec_rounds"]
     base = statistics.median(rates["ar"])
+    label = f"temperature {temperature}" + (", every round plain" if every_round_plain else "")
     for name, values in rates.items():
         rate = statistics.median(values)
-        print(f"temperature {temperature}: {name}: median {rate:.1f} tok/s ({rate / base:.3f}x AR)")
+        print(f"{label}: {name}: median {rate:.1f} tok/s ({rate / base:.3f}x AR)")
     for name, (none, rounds) in plain.items():
         print(f"{name}: rounds without drafts {none} of {rounds} ({none / max(rounds, 1):.0%})")
 
