@@ -5,8 +5,8 @@ For each --weights setting: the model forward of 1..9 new tokens after --context
 rotary, embedding, Python), measured by timing those modules inside real forwards on the Python
 module path (the fused native decoder layer, when it runs, has no seams to time); one full engine
 step (scheduling, sampling, stop checks included) and how much of it is spent outside the one
-native call (Python's share), and per token, greedy and sampled, at one and at --decode-steps
-decode steps a native call; bytes of weights read per token and the share of the machine's
+native call (Python's share), and per token, greedy, sampled and sampled with a repetition
+penalty, at one and at --decode-steps decode steps a native call; bytes of weights read per token and the share of the machine's
 streaming bandwidth; and the same for the shipped draft.
 
     python benchmarks/bench_step_profile.py --threads 2
@@ -197,7 +197,10 @@ def profile(model_name: str, weights: str, threads: int, context: int, repeat: i
         prompt = encode(llm, load_prompts("sharegpt", "eval", 1)[0])
         for label, params in (("greedy", SamplingParams(temperature=0.0, max_tokens=129, ignore_eos=True)),
                               ("sampled (temperature 1, top-p 0.95)",
-                               SamplingParams(temperature=1.0, top_p=0.95, max_tokens=129, ignore_eos=True, seed=0))):
+                               SamplingParams(temperature=1.0, top_p=0.95, max_tokens=129, ignore_eos=True, seed=0)),
+                              ("sampled with repetition penalty 1.1",
+                               SamplingParams(temperature=1.0, top_p=0.95, max_tokens=129, ignore_eos=True, seed=0,
+                                              repetition_penalty=1.1))):
             for steps in (1, configured):
                 per_token, inside = run_ms(llm, prompt, params, steps)
                 print(f"  {label}, {steps} decode step{'s' if steps > 1 else ''} a native call "

@@ -93,15 +93,58 @@ def test_sampled_decode_steps_draw_the_tokens_of_one_step_at_a_time(engines, bat
 
 
 def test_a_sampled_request_moves_from_one_step_to_several_with_its_draws_in_order(engines):
-    """min_tokens holds EOS back (an adjustment: one step a call) for the first tokens, then the
-    request decodes several steps a call: the generator's uniforms are taken in the same order."""
+    """Sharing its batch with a request that reports log-probabilities (one step a call), a sampled
+    request decodes one step a call, then several once that one is done: the generator's uniforms
+    are taken in the same order."""
+    one, many = engines
+    prompts = encoded(one)[1:3]
+    params = [SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True, logprobs=1),
+              SamplingParams(temperature=0.8, max_tokens=48, ignore_eos=True, seed=21)]
+    counter = CallCounter(many)
+    got = many.generate(prompts, params)[1]
+    assert got.token_ids == one.generate(prompts, params)[1].token_ids
+    assert len(got.token_ids) == 48 and counter.calls > 0 and sum(counter.steps) <= 48 - 13
+
+
+ADJUSTED = [dict(temperature=0.0, repetition_penalty=1.3), dict(temperature=1.0, top_p=0.9, repetition_penalty=1.2),
+            dict(temperature=0.8, frequency_penalty=0.5, presence_penalty=0.4), dict(temperature=0.0, frequency_penalty=1.0),
+            dict(temperature=1.0, min_p=0.1), dict(temperature=0.7, logit_bias={11: 5.0, 198: -3.0}, min_tokens=40),
+            dict(temperature=1.0, top_k=20, repetition_penalty=0.9, presence_penalty=-0.5, min_p=0.05)]
+
+
+@pytest.mark.parametrize("adjust", ADJUSTED, ids=lambda a: ",".join(a))
+def test_adjusted_requests_take_decode_steps_with_the_tokens_of_one_step_at_a_time(engines, adjust):
+    """Penalties, logit bias, min_p and min_tokens go along into the call (the kernels'
+    ``LogitAdjustments``), each step's logits adjusted after the tokens before it: the same tokens
+    as one step a call with ``adjust_logits_``, beside a plain request in the batch; and they adjust
+    (another text than without them)."""
+    one, many = engines
+    ids = encoded(one)
+    params = [SamplingParams(max_tokens=45, ignore_eos=True, seed=i, **adjust) for i in range(len(ids))]
+    params[2] = SamplingParams(temperature=0.0, max_tokens=45, ignore_eos=True)  # nothing to adjust
+    counter = CallCounter(many)
+    got = [o.token_ids for o in many.generate(ids, params)]
+    assert got == [o.token_ids for o in one.generate(ids, params)]
+    assert counter.calls >= 10 and max(counter.steps) == 4
+    unadjusted = [SamplingParams(max_tokens=45, ignore_eos=True, seed=i,
+                                 **{k: v for k, v in adjust.items() if k in ("temperature", "top_p", "top_k")})
+                  for i in range(len(ids))]
+    assert [o.token_ids for o in many.generate(ids, unadjusted)] != got
+
+
+def test_min_tokens_counts_down_inside_a_call(engines):
+    """With EOS made the likeliest token by a logit bias, min_tokens alone keeps the output going:
+    it ends at EOS right after min_tokens tokens, whichever step of a call that falls on."""
     one, many = engines
     prompt = encoded(one)[1]
-    params = SamplingParams(temperature=0.8, max_tokens=48, min_tokens=13, seed=21)
-    counter = CallCounter(many)
-    got = many.generate([prompt], params)[0]
-    assert got.token_ids == one.generate([prompt], params)[0].token_ids
-    assert len(got.token_ids) > 20 and counter.calls > 0 and sum(counter.steps) <= len(got.token_ids) - 13
+    eos = min(many.engine.eos_token_ids)
+    for min_tokens in (5, 6, 7, 8, 9):
+        params = SamplingParams(temperature=0.0, max_tokens=30, min_tokens=min_tokens, logit_bias={eos: 100.0})
+        counter = CallCounter(many)
+        got = many.generate([prompt], params)[0]
+        assert got.token_ids == one.generate([prompt], params)[0].token_ids
+        assert got.finish_reason == "stop" and len(got.token_ids) == min_tokens + 1, min_tokens
+        assert counter.calls >= 1
 
 
 def test_decode_steps_stop_where_one_step_at_a_time_stops(engines):
@@ -119,13 +162,14 @@ def test_decode_steps_stop_where_one_step_at_a_time_stops(engines):
     assert any(o.finish_reason == "stop" for o in expected)
 
 
-def test_a_request_with_something_to_adjust_or_report_decodes_one_step_at_a_time(engines):
+def test_a_request_with_something_to_report_or_adjust_in_python_decodes_one_step_at_a_time(engines):
     one, many = engines
     ids = encoded(one)[:2]
     plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     for other in (SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2),
-                  SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.2),
-                  SamplingParams(temperature=0.7, max_tokens=24, ignore_eos=True, seed=3, min_p=0.05)):
+                  SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, bad_words=[" the"]),
+                  SamplingParams(temperature=0.7, max_tokens=24, ignore_eos=True, seed=3,
+                                 allowed_token_ids=list(range(20000)), repetition_penalty=1.2)):
         counter = CallCounter(many)
         got = many.generate(ids, [plain, other])
         expected = one.generate(ids, [plain, other])
@@ -303,6 +347,22 @@ def test_sd_plain_steps_in_a_batch_hand_each_sequence_its_own_features(engines):
     common = {key for key in seen[1].keys() & seen[4].keys() if key[0] < 2}
     assert len(common) > 0.9 * len([key for key in seen[1] if key[0] < 2])
     assert [key for key in sorted(common) if not torch.equal(seen[1][key], seen[4][key])] == []
+
+
+def test_sd_plain_steps_under_penalties_equal_ar(engines):
+    """SD's plain rounds take a request's penalties and min_tokens into the call as AR does; rounds
+    that draft between them verify with the same adjustments: greedy, the text is AR's."""
+    one, _ = engines
+    ids = encoded(one)[:2]
+    params = [SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True, repetition_penalty=1.25),
+              SamplingParams(temperature=0.0, max_tokens=50, min_tokens=20, frequency_penalty=0.6,
+                             presence_penalty=0.3)]
+    sd = LLM(mode="sd", decode_steps=4, deterministic=True, kv_cache_tokens=4096)
+    ForcedK(sd, lambda n: 3 if n % 16 >= 12 else 0)
+    counter = CallCounter(sd)
+    got = [o.token_ids for o in sd.generate(ids, params)]
+    assert got == [o.token_ids for o in LLM(deterministic=True, kv_cache_tokens=4096).generate(ids, params)]
+    assert counter.calls >= 6 and max(counter.steps) == 4
 
 
 def test_sd_plain_steps_that_stop_inside_a_call_count_their_rounds_and_cache_the_heads_rows():

@@ -12,7 +12,8 @@ from helpers import assert_greedy_match
 from lossless import EOS, PROMPT
 
 from specfork import LLM, SamplingParams, SpecforkError
-from specfork.sampling import TokenHistory, adjust_logits_
+from specfork.native_kernels import kernels as native_kernels
+from specfork.sampling import TokenHistory, adjust_logits_, step_adjustments
 from specfork.speculative.proposer import Proposal, StatelessProposer
 
 INF = float("inf")
@@ -118,6 +119,44 @@ def test_a_window_row_is_adjusted_as_the_same_row_alone_after_its_drafts():
         history = TokenHistory(params, prompt + output + drafts[:j], len(prompt), frozenset({2}), bad_words=words)
         assert torch.equal(window[j], adjusted(logits[j : j + 1], [history])[0]), j
     assert (window == -INF).any() and (window[0] != logits[0]).any()
+
+
+@pytest.mark.skipif(native_kernels() is None, reason="needs the native CPU kernels")
+def test_the_native_adjustments_of_decode_steps_are_adjust_logits_bit_for_bit():
+    """What several decode steps in one call apply natively (``step_adjustments`` packed for the
+    kernels' ``LogitAdjustments``): every setting alone and together, greedy and sampled rows, rows
+    that adjust nothing, logits with NaN, +-inf, +-0 and ties, stop ids past the vocabulary; then
+    the steps' histories growing by a token (min_tokens counting down, a new and a repeated token)
+    as one step a call sees them (the decode-steps tests check ``advance`` through the engine)."""
+    gen = torch.Generator().manual_seed(3)
+    vocab = 300
+    kinds = [dict(repetition_penalty=1.3), dict(repetition_penalty=0.8, temperature=0.9),
+             dict(frequency_penalty=0.45, presence_penalty=-0.3, temperature=1.1), dict(presence_penalty=0.7),
+             dict(frequency_penalty=-1.5), dict(min_p=0.2, temperature=0.7), dict(min_p=0.9, temperature=0.0),
+             dict(logit_bias={3: 2.5, 17: -100.0, 299: 0.125}), dict(min_tokens=6), dict(temperature=0.6),
+             dict(temperature=1.3, top_k=9, min_p=0.05, repetition_penalty=1.15, frequency_penalty=0.2,
+                  presence_penalty=0.1, logit_bias={8: 1.5, 60: -3.0}, min_tokens=7)]
+    histories = []
+    for i, kind in enumerate(kinds * 3):
+        prompt = torch.randint(0, vocab, (5 + i,), generator=gen).tolist()
+        output = torch.randint(0, 40, (i % 9,), generator=gen).tolist()  # repeats among them
+        histories.append(TokenHistory(SamplingParams(**kind), prompt + output, len(prompt), frozenset({2, 5, 4000})))
+    logits = torch.randn(len(histories), vocab, generator=gen) * 4
+    logits[0, :8] = torch.tensor([INF, -INF, math.nan, 0.0, -0.0, 5.0, 5.0, -1e-30])
+    logits[5, 11], logits[16, 0], logits[27, 40] = math.nan, math.nan, -INF  # NaN in min_p rows: all -inf
+    for step in range(3):
+        expected = adjusted(logits, histories)
+        got = logits.clone()
+        native_kernels().adjust_logit_rows(got, list(step_adjustments(histories)))
+        assert torch.equal(got.isnan(), expected.isnan()), step
+        assert torch.equal(got.nan_to_num(), expected.nan_to_num()), step
+        assert torch.equal(got.signbit(), expected.signbit()), step
+        assert (expected != logits).any(dim=1).sum() >= 20  # most rows changed (not the plain ones)
+        token = 7 + step % 2  # a new token, then the same one again
+        histories = [TokenHistory(h.params, [*h.token_ids, token], h.num_prompt_tokens, h.stop_ids) for h in histories]
+        logits = torch.randn(len(histories), vocab, generator=gen) * 4
+    with pytest.raises(ValueError, match="one step a call"):
+        step_adjustments([TokenHistory(SamplingParams(allowed_token_ids=[1, 2]), [0], 1, frozenset())])
 
 
 def test_token_ids_past_the_vocabulary_are_refused_by_name(draft_pair):

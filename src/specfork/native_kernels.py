@@ -26,7 +26,7 @@ def build_directory() -> Path:
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
 MODULE_NAME = "specfork_kernels"
 SOURCES = ("small_m_gemm.cpp", "quant_gemm.cpp", "rms_norm.cpp", "activation.cpp", "paged_attention.cpp",
-           "decoder_layer.cpp", "sampling.cpp", "bindings.cpp")
+           "decoder_layer.cpp", "sampling.cpp", "logit_adjustments.cpp", "bindings.cpp")
 
 
 def keyed_directory() -> Path:

@@ -57,6 +57,12 @@ class TokenHistory:
         return len(self.drafts) + 1
 
     @property
+    def adjusts_in_python(self) -> bool:
+        """Whether an adjustment here needs Python at every step: a grammar, allowed ids or bad
+        words (several decode steps in one native call take the others along: ``step_adjustments``)."""
+        return self.grammar is not None or bool(self.bad_words) or bool(self.params.allowed_token_ids)
+
+    @property
     def adjusts(self) -> bool:
         """Whether ``adjust_logits_`` changes these rows: min_tokens only while it holds something
         back (a request past it, or with nothing to hold back, costs nothing)."""
@@ -375,28 +381,74 @@ def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
 @dataclass(frozen=True, slots=True)
 class StepDraws:
     """What several decode steps in one native call need to choose each row's token at every step
-    as ``sample_tokens`` would one step at a time (the kernels' ``sample_logit_rows``): per row [B] its
-    temperature (0: a greedy row, its argmax), top-k and top-p, and per step and row [steps, B] the
-    uniform of its draw."""
+    as ``adjust_logits_`` and ``sample_tokens`` would one step at a time (the kernels'
+    ``LogitAdjustments`` and ``sample_logit_rows``): per row [B] its temperature (0: a greedy row,
+    its argmax), top-k and top-p, per step and row [steps, B] the uniform of its draw, and the rows'
+    logit adjustments packed by ``step_adjustments`` (empty: none)."""
 
     temperature: torch.Tensor  # float32
     top_k: torch.Tensor  # int64
     top_p: torch.Tensor  # float32
     uniforms: torch.Tensor  # float64
+    adjustments: tuple[torch.Tensor, ...] = ()
 
 
 def step_draws(params: Sequence[SamplingParams], generators: Sequence[torch.Generator], steps: int,
-               device: torch.device) -> StepDraws:
+               device: torch.device, histories: Sequence[TokenHistory] = ()) -> StepDraws:
     """The draws of ``steps`` decode steps for rows with ``params`` and ``generators``: a sampled
     row takes one uniform a step from its generator, in the order that many steps of
-    ``sample_tokens`` take them; a greedy row takes none (its uniforms are 0, unused)."""
+    ``sample_tokens`` take them; a greedy row takes none (its uniforms are 0, unused). With the
+    rows' ``histories`` (none adjusting ``adjusts_in_python``), their adjustments go along."""
     temp, top_k, top_p = sampling_tensors(params, device)
     greedy = torch.tensor([p.greedy for p in params], device=device)
     uniforms = torch.zeros(steps, len(params), dtype=torch.float64, device=device)
     for i, (p, gen) in enumerate(zip(params, generators, strict=True)):
         if not p.greedy:
             uniforms[:, i] = torch.cat([draw_uniforms([gen], device) for _ in range(steps)])
-    return StepDraws(temp.masked_fill(greedy, 0.0), top_k, top_p, uniforms)
+    adjustments = step_adjustments(histories) if any(h.adjusts for h in histories) else ()
+    return StepDraws(temp.masked_fill(greedy, 0.0), top_k, top_p, uniforms, adjustments)
+
+
+def step_adjustments(histories: Sequence[TokenHistory]) -> tuple[torch.Tensor, ...]:
+    """One row per history (none adjusting ``adjusts_in_python``), the adjustments of
+    ``adjust_logits_`` packed for the kernels' ``LogitAdjustments`` (``csrc/kernels.h``), which
+    apply them at each decode step as ``adjust_logits_`` would, each row's history growing by its
+    tokens: (settings [B, 4] float32: repetition penalty, frequency and presence penalties, min_p's
+    offset from the largest logit or NaN; the steps min_tokens still holds back [B]; ids, values,
+    offsets [B, 5]: per row its logit-bias ids (values: the biases), held-back ids, the ids of its
+    prompt and output, and its output ids (values: their counts))."""
+    settings = np.zeros((len(histories), 4), dtype=np.float32)
+    settings[:, 0], settings[:, 3] = 1.0, np.nan
+    held = np.zeros(len(histories), dtype=np.int64)
+    offsets = np.zeros((len(histories), 5), dtype=np.int64)
+    ids: list[int] = []
+    values: list[float] = []
+    for b, history in enumerate(histories):
+        if history.adjusts_in_python:
+            raise ValueError("a grammar, allowed ids or bad words adjust logits one step a call")
+        params = history.params
+        lists: list[tuple[list[int], list[float] | None]] = [([], None)] * 4  # offsets' four lists, in order
+        if history.adjusts:
+            lists[0] = [t for t, _ in params.logit_bias], [bias for _, bias in params.logit_bias]
+            held[b] = max(0, params.min_tokens - (len(history.token_ids) - history.num_prompt_tokens))
+            if held[b]:  # the kernel skips an id past the vocabulary, as adjust_logits_ does
+                lists[1] = sorted(history.stop_ids), None
+            if params.repetition_penalty != 1.0:
+                settings[b, 0] = params.repetition_penalty
+                lists[2] = list(dict.fromkeys(history.token_ids)), None
+            if params.frequency_penalty != 0.0 or params.presence_penalty != 0.0:
+                settings[b, 1:3] = params.frequency_penalty, params.presence_penalty
+                counts = Counter(history.token_ids[history.num_prompt_tokens :])
+                lists[3] = list(counts), [float(c) for c in counts.values()]
+            if params.min_p > 0.0 and not params.greedy:
+                settings[b, 3] = np.float32(params.temperature * math.log(params.min_p))
+        for j, (list_ids, list_values) in enumerate(lists):
+            offsets[b, j] = len(ids)
+            ids.extend(list_ids)
+            values.extend([0.0] * len(list_ids) if list_values is None else list_values)
+        offsets[b, 4] = len(ids)
+    return (torch.from_numpy(settings), torch.from_numpy(held), torch.tensor(ids, dtype=torch.int64),
+            torch.tensor(values, dtype=torch.float32), torch.from_numpy(offsets))
 
 
 def native_sampler(rows: torch.Tensor):

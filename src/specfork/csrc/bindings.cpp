@@ -24,8 +24,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &DecoderStack::forward, py::call_guard<py::gil_scoped_release>(),
            "every decoder layer, the final norm and (with logits) the LM head of a decode/verify step")
       .def("decode_steps", &DecoderStack::decode_steps, py::call_guard<py::gil_scoped_release>(),
-           "several decode steps, each step's tokens (argmax or drawn) the next one's input");
+           "several decode steps, each step's tokens (argmax or drawn, after the rows' logit adjustments) the next one's input");
   m.def("sample_logit_rows", &sample_logit_rows, py::call_guard<py::gil_scoped_release>(), "one token per row from the filtered softmax(logits / temperature), fused (the argmax at temperature 0)");
+  m.def("adjust_logit_rows", &adjust_logit_rows, py::call_guard<py::gil_scoped_release>(), "one step of the logit adjustments decode steps apply natively, in place (for tests)");
   m.def("filtered_prob_rows", &filtered_prob_rows, py::call_guard<py::gil_scoped_release>(), "each row's probabilities after its temperature, top-k and top-p");
   m.def("sample_weight_rows", &sample_weight_rows, py::call_guard<py::gil_scoped_release>(), "one token per row of weights with the row's uniform (inverse transform)");
   m.def("verify_logit_rows", &verify_logit_rows, py::call_guard<py::gil_scoped_release>(), "speculative sampling's verification of one sequence from its logits");

@@ -27,6 +27,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 
 namespace {
 
@@ -454,7 +455,9 @@ std::vector<torch::Tensor> DecoderStack::forward(const torch::Tensor& x_in, cons
 // `steps` decode steps of B sequences in one call, each step's tokens the next one's input (their
 // embedding rows): what `steps` calls of forward, each followed by the sampler's choice of a token per
 // row (sample_logit_rows: the argmax of a greedy row, temperature 0, else a draw with the row's filter and
-// its uniform of that step) and the embedding lookup, compute, with no Python between them. x [B, H]
+// its uniform of that step) and the embedding lookup, compute, with no Python between them; with
+// `adjustments` (LogitAdjustments' packed form; empty: none) each step's logits are adjusted before
+// the choice, each row's token then added to its history. x [B, H]
 // is the first step's input; pos_of, slot_mapping and uniforms [steps, B] the positions, cache slots
 // and uniforms of each step's rows (the block tables cover the last); seq_of, temperature, top_k and
 // top_p [B]. Returns {tokens [steps, B], features [steps * B, |capture| H] (step by step, forward's
@@ -465,7 +468,8 @@ std::vector<torch::Tensor> DecoderStack::decode_steps(const torch::Tensor& x, co
                                                       const torch::Tensor& seq_of, const torch::Tensor& pos_of,
                                                       const torch::Tensor& slot_mapping, const torch::Tensor& temperature,
                                                       const torch::Tensor& top_k, const torch::Tensor& top_p,
-                                                      const torch::Tensor& uniforms, const std::vector<int64_t>& capture) {
+                                                      const torch::Tensor& uniforms, const std::vector<int64_t>& capture,
+                                                      const std::vector<torch::Tensor>& adjustments) {
   TORCH_CHECK(!weights_.parsed()->projections.empty(), "DecoderStack.decode_steps: the stack has no LM head");
   TORCH_CHECK(pos_of.dim() == 2 && slot_mapping.sizes() == pos_of.sizes() && uniforms.sizes() == pos_of.sizes() &&
                   pos_of.size(1) == x.size(0),
@@ -480,13 +484,24 @@ std::vector<torch::Tensor> DecoderStack::decode_steps(const torch::Tensor& x, co
   auto tokens = torch::empty({steps, B}, pos_of.options());
   auto features = torch::empty({capture.empty() ? 0 : steps * B, static_cast<int64_t>(capture.size()) * x.size(1)},
                                x.options());
+  std::optional<LogitAdjustments> adjust;  // built at the first step's logits
   torch::Tensor in = x;
   for (int64_t s = 0; s < steps; ++s) {
     const auto out = forward(in, caches, cos, sin, block_tables, seq_of, pos_of[s], slot_mapping[s], capture, true);
     const auto& logits = out[2];
     TORCH_CHECK(logits.size(1) <= embedding.size(0),
                 "DecoderStack.decode_steps: the LM head has more outputs than the embedding rows");
+    const int64_t vocab = logits.size(1);
+    if (!adjustments.empty() && !adjust) adjust.emplace(adjustments, B, vocab);
+    if (adjust) {
+      float* rows = logits.data_ptr<float>();
+      for (int64_t b = 0; b < B; ++b) adjust->apply(b, rows + b * vocab);
+    }
     tokens[s].copy_(sample_logit_rows(logits, temperature, top_k, top_p, uniforms[s]));
+    if (adjust) {
+      const int64_t* chosen = tokens[s].data_ptr<int64_t>();  // a row of a contiguous [steps, B]
+      for (int64_t b = 0; b < B; ++b) adjust->advance(b, chosen[b]);
+    }
     if (!capture.empty()) features.narrow(0, s * B, B).copy_(out[1]);
     if (s + 1 < steps) in = embedding.index_select(0, tokens[s]);
   }

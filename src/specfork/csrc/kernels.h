@@ -103,6 +103,34 @@ class HeldWeights {
   std::shared_ptr<const Parsed> parsed_;
 };
 
+// logit_adjustments.cpp: sampling.py's adjust_logits_ for the settings several decode steps in one call
+// take natively (min_tokens, logit_bias, the repetition, frequency and presence penalties, min_p),
+// one row per sequence, bit-identical to it; advance() adds a row's new token to its history.
+// Packed (sampling.py's step_adjustments) as {settings [B, 4] float32: repetition penalty (1: off),
+// frequency and presence penalties, min_p's offset T log(min_p) from the largest logit (NaN: off);
+// held [B] int64: the steps min_tokens still holds its tokens back; ids [n] int64 and values [n]
+// float32; offsets [B, 5] int64: row b's logit-bias ids (values: the biases), held-back ids, ids of
+// its prompt and output (the repetition penalty's), and output ids (values: their counts)}.
+class LogitAdjustments {
+ public:
+  LogitAdjustments(const std::vector<torch::Tensor>& packed, int64_t rows, int64_t vocab);
+  void apply(int64_t row, float* logits) const;  // row's V logits, in place
+  void advance(int64_t row, int64_t token);
+
+ private:
+  struct Row {
+    float repetition, frequency, presence, min_p_offset;
+    int64_t held_steps;
+    std::vector<std::pair<int64_t, float>> bias;
+    std::vector<int64_t> held, seen;
+    std::vector<std::pair<int64_t, float>> counted;
+  };
+  int64_t vocab_;
+  std::vector<Row> rows_;
+};
+// One step of them on float32 logits [B, V], in place (for tests: decode_steps applies them each step).
+void adjust_logit_rows(torch::Tensor& logits, const std::vector<torch::Tensor>& adjustments);
+
 // decoder_layer.cpp: a model's decoder layers, final norm and (optionally) block-quantised LM head
 // (head_weights empty: none), held: forward runs every layer of a decode or verification step, the
 // final norm and, with `logits`, the LM head in one call and one parallel region (the threads meet
@@ -124,7 +152,8 @@ class DecoderStack {
                                           const torch::Tensor& seq_of, const torch::Tensor& pos_of,
                                           const torch::Tensor& slot_mapping, const torch::Tensor& temperature,
                                           const torch::Tensor& top_k, const torch::Tensor& top_p,
-                                          const torch::Tensor& uniforms, const std::vector<int64_t>& capture);
+                                          const torch::Tensor& uniforms, const std::vector<int64_t>& capture,
+                                          const std::vector<torch::Tensor>& adjustments);
 
  private:
   HeldWeights weights_;  // the layers; projections: the LM head, if any; floats: the final norm

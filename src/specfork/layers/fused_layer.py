@@ -100,13 +100,14 @@ class FusedDecoderStack:
         """The tokens [steps, B] of ``steps`` decode steps run back to back in one call: ``x`` [B, H]
         the first step's input, ``positions`` and ``slots`` [steps, B] each step's rows (``meta``'s
         block tables cover the last), each step's tokens (``draws``, a ``sampling.StepDraws``: the
-        argmax of a greedy row, a sampled row's draw) looked up in ``embedding`` [V, H] for the next;
+        argmax of a greedy row, a sampled row's draw, after the row's logit adjustments) looked up in ``embedding`` [V, H] for the next;
         and the inputs of the ``capture`` layers of every step's rows, step by step [steps * B,
         |capture| H] (empty without ``capture``)."""
         cos, sin = rope.table_cos, rope.table_sin_signed
         tokens, features = self._stack.decode_steps(
             x.contiguous(), embedding, caches, cos, sin, meta.block_tables, meta.seq_index, positions.contiguous(),
-            slots.contiguous(), draws.temperature, draws.top_k, draws.top_p, draws.uniforms, list(capture))
+            slots.contiguous(), draws.temperature, draws.top_k, draws.top_p, draws.uniforms, list(capture),
+            list(draws.adjustments))
         return tokens, features
 
 
