@@ -12,7 +12,7 @@ from lossless import PROMPT
 
 from specfork import LLM, SamplingParams, SpecforkError
 from specfork.config import SSD_DEFAULT_K, Config
-from specfork.speculative.auto_k import FIRST_PROBE, PROBE_EVERY, AutoK, StepCosts, modelled_round_s, plan
+from specfork.speculative.auto_k import FIRST_PROBE, PROBE_EVERY, REPLAN_EVERY, AutoK, StepCosts, modelled_round_s, plan
 from specfork.speculative.proposer import Proposal, StatelessProposer
 
 
@@ -272,7 +272,8 @@ def test_a_slow_stretch_of_plain_rounds_does_not_hold_k_auto_at_speculating():
 def test_plain_rounds_in_one_call_leave_k_auto_as_rounds_one_at_a_time_leave_it():
     """SD runs several plain rounds in one call where k auto allows (``plain_rounds``): never past
     the next probe or re-plan, so the rounds' choices, the probes and what k auto learns are those
-    of one round at a time; while speculating a plain probe is one round."""
+    of one round at a time; while speculating a plain probe runs as many rounds as a call at k =
+    0 would, so that it prices plain decoding as it runs."""
     steep = StepCosts(draft_s=0.002, verify_s=tuple(0.010 * m for m in range(1, 10)))  # plain decoding wins
 
     def run(batched: bool) -> tuple[list[int], AutoK, list[int]]:
@@ -295,7 +296,7 @@ def test_plain_rounds_in_one_call_leave_k_auto_as_rounds_one_at_a_time_leave_it(
     assert several.overhead(0) == pytest.approx(one_at_a_time.overhead(0))
     assert max(calls) == 8 and len(calls) < 60  # calls of up to a re-plan's 8 rounds
     speculating = AutoK(StepCosts(draft_s=0.0001, verify_s=tuple([0.010] * 9)))
-    assert speculating.current.k > 0 and speculating.plain_rounds() == 1
+    assert speculating.current.k > 0 and speculating.plain_rounds() == REPLAN_EVERY
 
 
 def test_probes_of_a_longer_window_correct_step_costs_measured_too_high():

@@ -1,6 +1,7 @@
 """Several decode steps in one native call (``--decode-steps``): the same tokens as one step at a
-time, greedy or sampled (a seeded request's draws too), taken only where nothing is adjusted or
-reported, bounded by max_tokens and the model's length."""
+time, greedy or sampled (a seeded request's draws too), with penalties, logit bias, min_p and
+min_tokens applied inside the call; taken only where nothing is reported or adjusted in Python (a
+grammar, allowed ids, bad words), bounded by max_tokens and the model's length."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from specfork import LLM, SamplingParams
+from specfork.sampling_params import StructuredOutputs
 from specfork.native_kernels import kernels
 
 pytestmark = pytest.mark.skipif(kernels() is None, reason="needs the native CPU kernels (the one-call path)")
@@ -169,7 +171,8 @@ def test_a_request_with_something_to_report_or_adjust_in_python_decodes_one_step
     for other in (SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2),
                   SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, bad_words=[" the"]),
                   SamplingParams(temperature=0.7, max_tokens=24, ignore_eos=True, seed=3,
-                                 allowed_token_ids=list(range(20000)), repetition_penalty=1.2)):
+                                 allowed_token_ids=list(range(20000)), repetition_penalty=1.2),
+                  SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=StructuredOutputs(regex="[a-z ]+"))):
         counter = CallCounter(many)
         got = many.generate(ids, [plain, other])
         expected = one.generate(ids, [plain, other])

@@ -125,7 +125,8 @@ def test_a_window_row_is_adjusted_as_the_same_row_alone_after_its_drafts():
 def test_the_native_adjustments_of_decode_steps_are_adjust_logits_bit_for_bit():
     """What several decode steps in one call apply natively (``step_adjustments`` packed for the
     kernels' ``LogitAdjustments``): every setting alone and together, greedy and sampled rows, rows
-    that adjust nothing, logits with NaN, +-inf, +-0 and ties, stop ids past the vocabulary; then
+    that adjust nothing, logits with NaN, +-inf, +-0 and ties, stop ids past the vocabulary, a
+    penalty that is -0 in float32 (on) and one of -0 (off); then
     the steps' histories growing by a token (min_tokens counting down, a new and a repeated token)
     as one step a call sees them (the decode-steps tests check ``advance`` through the engine)."""
     gen = torch.Generator().manual_seed(3)
@@ -135,7 +136,8 @@ def test_the_native_adjustments_of_decode_steps_are_adjust_logits_bit_for_bit():
              dict(frequency_penalty=-1.5), dict(min_p=0.2, temperature=0.7), dict(min_p=0.9, temperature=0.0),
              dict(logit_bias={3: 2.5, 17: -100.0, 299: 0.125}), dict(min_tokens=6), dict(temperature=0.6),
              dict(temperature=1.3, top_k=9, min_p=0.05, repetition_penalty=1.15, frequency_penalty=0.2,
-                  presence_penalty=0.1, logit_bias={8: 1.5, 60: -3.0}, min_tokens=7)]
+                  presence_penalty=0.1, logit_bias={8: 1.5, 60: -3.0}, min_tokens=7),
+             dict(frequency_penalty=-1e-46), dict(presence_penalty=-0.0, temperature=0.9)]  # -0 in float32; off
     histories = []
     for i, kind in enumerate(kinds * 3):
         prompt = torch.randint(0, vocab, (5 + i,), generator=gen).tolist()
@@ -145,6 +147,7 @@ def test_the_native_adjustments_of_decode_steps_are_adjust_logits_bit_for_bit():
     logits[0, :8] = torch.tensor([INF, -INF, math.nan, 0.0, -0.0, 5.0, 5.0, -1e-30])
     logits[5, 11], logits[16, 0], logits[27, 40] = math.nan, math.nan, -INF  # NaN in min_p rows: all -inf
     for step in range(3):
+        logits[:, 7] = -0.0  # a -0 logit of an output token (from the second step): a tiny negative penalty makes it +0
         expected = adjusted(logits, histories)
         got = logits.clone()
         native_kernels().adjust_logit_rows(got, list(step_adjustments(histories)))

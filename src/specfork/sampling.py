@@ -105,7 +105,10 @@ def adjust_logits_(logits: torch.Tensor, histories: Sequence[TokenHistory]) -> d
 
 
 def _adjust_window(rows: torch.Tensor, history: TokenHistory) -> None:
-    """``adjust_logits_`` for one request's consecutive rows, all rows at once: a
+    """``adjust_logits_`` for one request's consecutive rows, all rows at once (its penalties,
+    bias, min_p and min_tokens are repeated operation for operation in
+    ``csrc/logit_adjustments.cpp`` for decode steps in one call: change both together;
+    ``tests/test_logit_adjustments.py`` compares them bit for bit): a
     penalty touches only the columns of the tokens it applies to, each from the first row whose
     history holds the token. In NumPy (the rows copied over and back off the CPU): PyTorch's
     comparisons into a bool mask took ~60 us a row of 49152 on one core, NumPy's a tenth of it."""
@@ -437,7 +440,8 @@ def step_adjustments(histories: Sequence[TokenHistory]) -> tuple[torch.Tensor, .
                 settings[b, 0] = params.repetition_penalty
                 lists[2] = list(dict.fromkeys(history.token_ids)), None
             if params.frequency_penalty != 0.0 or params.presence_penalty != 0.0:
-                settings[b, 1:3] = params.frequency_penalty, params.presence_penalty
+                # a penalty of 0 (or -0) as +0: a -0 in float32 means a tiny negative one, still on
+                settings[b, 1:3] = [p if p != 0.0 else 0.0 for p in (params.frequency_penalty, params.presence_penalty)]
                 counts = Counter(history.token_ids[history.num_prompt_tokens :])
                 lists[3] = list(counts), [float(c) for c in counts.values()]
             if params.min_p > 0.0 and not params.greedy:

@@ -495,7 +495,9 @@ std::vector<torch::Tensor> DecoderStack::decode_steps(const torch::Tensor& x, co
     if (!adjustments.empty() && !adjust) adjust.emplace(adjustments, B, vocab);
     if (adjust) {
       float* rows = logits.data_ptr<float>();
-      for (int64_t b = 0; b < B; ++b) adjust->apply(b, rows + b * vocab);
+      at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+        for (int64_t b = b0; b < b1; ++b) adjust->apply(b, rows + b * vocab);
+      });
     }
     tokens[s].copy_(sample_logit_rows(logits, temperature, top_k, top_p, uniforms[s]));
     if (adjust) {

@@ -5,6 +5,7 @@
 
 #include <torch/extension.h>
 
+#include <cmath>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -124,6 +125,11 @@ class LogitAdjustments {
     std::vector<std::pair<int64_t, float>> bias;
     std::vector<int64_t> held, seen;
     std::vector<std::pair<int64_t, float>> counted;
+    // Frequency and presence penalties are on: either is nonzero, or -0 (a tiny negative penalty in
+    // float32, which turns a -0 logit into +0 as adjust_logits_ does; an off row holds +0).
+    bool counts_tokens() const {
+      return frequency != 0.0f || presence != 0.0f || std::signbit(frequency) || std::signbit(presence);
+    }
   };
   int64_t vocab_;
   std::vector<Row> rows_;

@@ -82,7 +82,7 @@ void LogitAdjustments::apply(int64_t b, float* x) const {
     const float penalty = row.repetition;
     for (int64_t t : row.seen) x[t] = x[t] > 0 ? x[t] / penalty : x[t] * penalty;
   }
-  if (row.frequency != 0.0f || row.presence != 0.0f) {
+  if (row.counts_tokens()) {
     for (const auto& [t, count] : row.counted) {
       const float by_count = row.frequency * count;
       const float present = row.presence * (count > 0 ? 1.0f : 0.0f);
@@ -108,7 +108,7 @@ void LogitAdjustments::advance(int64_t b, int64_t token) {
   if (row.repetition != 1.0f && std::find(row.seen.begin(), row.seen.end(), token) == row.seen.end()) {
     row.seen.push_back(token);
   }
-  if (row.frequency != 0.0f || row.presence != 0.0f) {
+  if (row.counts_tokens()) {
     for (auto& [t, count] : row.counted) {
       if (t == token) {
         count += 1.0f;

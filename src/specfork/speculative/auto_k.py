@@ -287,9 +287,14 @@ class AutoK:
     def plain_rounds(self) -> int:
         """How many plain rounds (every sequence at k = 0) may run back to back from the current
         one, as one call of several decode steps, before a round that may choose otherwise: the
-        next probe, or the round after the next re-plan. 1 while speculating (a plain probe)."""
+        next probe, or the round after the next re-plan. While speculating, a plain probe runs as
+        many as a call at k = 0 would (a re-plan's worth at most; the caller caps them at its
+        decode steps), so that plain decoding is priced at the rate it would run at: probed one
+        step a call, it was priced with a call's fixed costs per token (at temperature 1 a fifth
+        of a step), and k auto kept n-gram SD speculating at 0.88x AR where plain decoding was
+        faster (docs/decisions.md)."""
         if self.current.k > 0:
-            return 1
+            return REPLAN_EVERY
         to_probe = (FIRST_PROBE - self.rounds) % PROBE_EVERY or PROBE_EVERY  # the next probe's round, ahead
         return max(1, min(to_probe, REPLAN_EVERY - self._since_plan))
 
