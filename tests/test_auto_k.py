@@ -12,7 +12,15 @@ from lossless import PROMPT
 
 from specfork import LLM, SamplingParams, SpecforkError
 from specfork.config import SSD_DEFAULT_K, Config
-from specfork.speculative.auto_k import FIRST_PROBE, PROBE_EVERY, REPLAN_EVERY, AutoK, StepCosts, modelled_round_s, plan
+from specfork.speculative.auto_k import (
+    FIRST_PROBE,
+    PROBE_EVERY,
+    REPLAN_EVERY,
+    AutoK,
+    StepCosts,
+    modelled_round_s,
+    plan,
+)
 from specfork.speculative.proposer import Proposal, StatelessProposer
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from specfork import LLM, SamplingParams
-from specfork.sampling_params import StructuredOutputs
 from specfork.native_kernels import kernels
+from specfork.sampling_params import StructuredOutputs
 
 pytestmark = pytest.mark.skipif(kernels() is None, reason="needs the native CPU kernels (the one-call path)")
 
@@ -95,12 +95,12 @@ def test_sampled_decode_steps_draw_the_tokens_of_one_step_at_a_time(engines, bat
 
 
 def test_a_sampled_request_moves_from_one_step_to_several_with_its_draws_in_order(engines):
-    """Sharing its batch with a request that reports log-probabilities (one step a call), a sampled
-    request decodes one step a call, then several once that one is done: the generator's uniforms
-    are taken in the same order."""
+    """Sharing its batch with a request that has bad words (one step a call), a sampled request
+    decodes one step a call, then several once that one is done: the generator's uniforms are
+    taken in the same order."""
     one, many = engines
     prompts = encoded(one)[1:3]
-    params = [SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True, logprobs=1),
+    params = [SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True, bad_words=[" the"]),
               SamplingParams(temperature=0.8, max_tokens=48, ignore_eos=True, seed=21)]
     counter = CallCounter(many)
     got = many.generate(prompts, params)[1]
@@ -164,12 +164,40 @@ def test_decode_steps_stop_where_one_step_at_a_time_stops(engines):
     assert any(o.finish_reason == "stop" for o in expected)
 
 
-def test_a_request_with_something_to_report_or_adjust_in_python_decodes_one_step_at_a_time(engines):
+@pytest.mark.parametrize("batched", [False, True])
+def test_log_probabilities_come_back_from_decode_steps_as_one_step_a_call_gives_them(engines, batched):
+    """A request asking for log-probabilities takes the steps too: each step's numbers (its token's
+    and the top alternatives', of the model's own logits before any adjustment) are one step a
+    call's, equal to the last bit; greedy and sampled, with and without alternatives, under a
+    penalty, beside a request that asks for none; cut where a stop string cuts the tokens."""
+    one, many = engines
+    ids = encoded(one)
+    params = [SamplingParams(temperature=0.0, max_tokens=37, ignore_eos=True, logprobs=5),
+              SamplingParams(temperature=0.9, top_p=0.9, max_tokens=37, ignore_eos=True, seed=8, logprobs=0),
+              SamplingParams(temperature=0.0, max_tokens=37, ignore_eos=True),
+              SamplingParams(temperature=0.7, max_tokens=90, seed=9, logprobs=3, repetition_penalty=1.3,
+                             stop=["\n"])]
+    counter = CallCounter(many)
+    if batched:
+        got, expected = many.generate(ids, params), one.generate(ids, params)
+    else:
+        got = [many.generate([p], [q])[0] for p, q in zip(ids, params, strict=True)]
+        expected = [one.generate([p], [q])[0] for p, q in zip(ids, params, strict=True)]
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert [o.logprobs for o in got] == [o.logprobs for o in expected]
+    assert counter.calls >= 8 and max(counter.steps) == 4
+    assert got[2].logprobs is None and [len(o.logprobs) for o in got[:2]] == [37, 37]
+    assert all(len(e.top) == 5 for e in got[0].logprobs) and all(e.top == () for e in got[1].logprobs)
+    assert len(got[3].logprobs) == len(got[3].token_ids) and got[3].finish_reason == "stop"
+    # of the model's own logits: the greedy token is the top alternative, its log-probability the top's
+    assert all(e.token_id == e.top[0][0] and e.logprob == e.top[0][1] <= 0 for e in got[0].logprobs)
+
+
+def test_a_request_with_something_to_adjust_in_python_decodes_one_step_at_a_time(engines):
     one, many = engines
     ids = encoded(one)[:2]
     plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    for other in (SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2),
-                  SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, bad_words=[" the"]),
+    for other in (SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, bad_words=[" the"]),
                   SamplingParams(temperature=0.7, max_tokens=24, ignore_eos=True, seed=3,
                                  allowed_token_ids=list(range(20000)), repetition_penalty=1.2),
                   SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=StructuredOutputs(regex="[a-z ]+"))):
@@ -353,19 +381,26 @@ def test_sd_plain_steps_in_a_batch_hand_each_sequence_its_own_features(engines):
 
 
 def test_sd_plain_steps_under_penalties_equal_ar(engines):
-    """SD's plain rounds take a request's penalties and min_tokens into the call as AR does; rounds
-    that draft between them verify with the same adjustments: greedy, the text is AR's."""
+    """SD's plain rounds take a request's penalties, min_tokens and log-probabilities into the call
+    as AR does; rounds that draft between them verify with the same adjustments: greedy, the text
+    is AR's, and so are the log-probabilities, from the plain rounds' calls and the verify passes."""
     one, _ = engines
     ids = encoded(one)[:2]
     params = [SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True, repetition_penalty=1.25),
               SamplingParams(temperature=0.0, max_tokens=50, min_tokens=20, frequency_penalty=0.6,
-                             presence_penalty=0.3)]
+                             presence_penalty=0.3, logprobs=2)]
     sd = LLM(mode="sd", decode_steps=4, deterministic=True, kv_cache_tokens=4096)
     ForcedK(sd, lambda n: 3 if n % 16 >= 12 else 0)
     counter = CallCounter(sd)
-    got = [o.token_ids for o in sd.generate(ids, params)]
-    assert got == [o.token_ids for o in LLM(deterministic=True, kv_cache_tokens=4096).generate(ids, params)]
+    got = sd.generate(ids, params)
+    expected = LLM(deterministic=True, kv_cache_tokens=4096).generate(ids, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
     assert counter.calls >= 6 and max(counter.steps) == 4
+    a, b = expected[1].logprobs, got[1].logprobs
+    assert [e.token_id for e in b] == expected[1].token_ids and [[t for t, _ in e.top] for e in b] == [
+        [t for t, _ in e.top] for e in a]
+    assert [e.logprob for e in b] == pytest.approx([e.logprob for e in a], abs=1e-5)
+    assert sum(o.metrics["draft_tokens_proposed"] for o in got) > 0  # verify passes reported some of them
 
 
 def test_sd_plain_steps_that_stop_inside_a_call_count_their_rounds_and_cache_the_heads_rows():

@@ -68,8 +68,8 @@ class Config:
                                "--no-cuda-graphs runs every step eagerly", group=ENGINE)
     decode_steps: int = option(DEFAULT_DECODE_STEPS, "plain decoding (--mode ar, and SD's rounds where --k auto "
                                "chose not to speculate) on the CPU's one-call native path: a decode step takes up "
-                               "to this many tokens for each request without log-probabilities, a grammar, allowed "
-                               "ids or bad words, greedy or sampled (penalties, logit bias, min_p and min_tokens go "
+                               "to this many tokens for each request without a grammar, allowed ids or bad words, "
+                               "greedy or sampled (penalties, logit bias, min_p, min_tokens and log-probabilities go "
                                "along); their forwards run back to back in one native call with each token chosen "
                                "and fed back there (the same tokens as one step at a time, a seeded request's too, "
                                "without Python between them); 1: one token a step",

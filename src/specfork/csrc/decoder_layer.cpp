@@ -457,11 +457,15 @@ std::vector<torch::Tensor> DecoderStack::forward(const torch::Tensor& x_in, cons
 // row (sample_logit_rows: the argmax of a greedy row, temperature 0, else a draw with the row's filter and
 // its uniform of that step) and the embedding lookup, compute, with no Python between them; with
 // `adjustments` (LogitAdjustments' packed form; empty: none) each step's logits are adjusted before
-// the choice, each row's token then added to its history. x [B, H]
+// the choice, each row's token then added to its history; with `logprobs` (per row the alternatives it
+// wants reported, -1: none; empty: none) the reporting rows' log-probabilities of their own logits are
+// taken before the adjustments, as token_logprobs takes them. x [B, H]
 // is the first step's input; pos_of, slot_mapping and uniforms [steps, B] the positions, cache slots
 // and uniforms of each step's rows (the block tables cover the last); seq_of, temperature, top_k and
 // top_p [B]. Returns {tokens [steps, B], features [steps * B, |capture| H] (step by step, forward's
-// features of each step's rows; empty without `capture`)}.
+// features of each step's rows; empty without `capture`), and with a reporting row, [steps, B] each
+// step's token's log-probability, [steps, B, the most alternatives a row wants] the alternatives' ids
+// and log-probabilities, most likely first (a row's first n are its own; all empty without)}.
 std::vector<torch::Tensor> DecoderStack::decode_steps(const torch::Tensor& x, const torch::Tensor& embedding,
                                                       const std::vector<torch::Tensor>& caches, const torch::Tensor& cos,
                                                       const torch::Tensor& sin, const torch::Tensor& block_tables,
@@ -469,7 +473,8 @@ std::vector<torch::Tensor> DecoderStack::decode_steps(const torch::Tensor& x, co
                                                       const torch::Tensor& slot_mapping, const torch::Tensor& temperature,
                                                       const torch::Tensor& top_k, const torch::Tensor& top_p,
                                                       const torch::Tensor& uniforms, const std::vector<int64_t>& capture,
-                                                      const std::vector<torch::Tensor>& adjustments) {
+                                                      const std::vector<torch::Tensor>& adjustments,
+                                                      const std::vector<int64_t>& logprobs) {
   TORCH_CHECK(!weights_.parsed()->projections.empty(), "DecoderStack.decode_steps: the stack has no LM head");
   TORCH_CHECK(pos_of.dim() == 2 && slot_mapping.sizes() == pos_of.sizes() && uniforms.sizes() == pos_of.sizes() &&
                   pos_of.size(1) == x.size(0),
@@ -484,6 +489,15 @@ std::vector<torch::Tensor> DecoderStack::decode_steps(const torch::Tensor& x, co
   auto tokens = torch::empty({steps, B}, pos_of.options());
   auto features = torch::empty({capture.empty() ? 0 : steps * B, static_cast<int64_t>(capture.size()) * x.size(1)},
                                x.options());
+  TORCH_CHECK(logprobs.empty() || static_cast<int64_t>(logprobs.size()) == B,
+              "DecoderStack.decode_steps: log-probabilities wanted per row (-1: none), or none");
+  int64_t top = 0;  // the most alternatives a row wants
+  for (int64_t n : logprobs) top = std::max(top, n);
+  const bool reports = std::any_of(logprobs.begin(), logprobs.end(), [](int64_t n) { return n >= 0; });
+  auto chosen_logprob = torch::zeros({reports ? steps : 0, B}, x.options());
+  auto top_ids = torch::zeros({reports ? steps : 0, B, top}, pos_of.options());
+  auto top_logprobs = torch::zeros({reports ? steps : 0, B, top}, x.options());
+  std::vector<torch::Tensor> raw(B);  // this step's log-softmax of a reporting row's own logits
   std::optional<LogitAdjustments> adjust;  // built at the first step's logits
   torch::Tensor in = x;
   for (int64_t s = 0; s < steps; ++s) {
@@ -492,6 +506,18 @@ std::vector<torch::Tensor> DecoderStack::decode_steps(const torch::Tensor& x, co
     TORCH_CHECK(logits.size(1) <= embedding.size(0),
                 "DecoderStack.decode_steps: the LM head has more outputs than the embedding rows");
     const int64_t vocab = logits.size(1);
+    // A reporting row's log-probabilities, of its logits before any adjustment: the very ATen ops
+    // layers/logprobs.py's token_logprobs runs on the row, so the numbers are one step a call's.
+    for (int64_t b = 0; reports && b < B; ++b) {
+      if (logprobs[b] < 0) continue;
+      raw[b] = logits.narrow(0, b, 1).log_softmax(-1);
+      const int64_t k = std::min(logprobs[b], vocab);
+      if (k > 0) {
+        const auto best = raw[b].topk(k, -1);
+        top_logprobs[s][b].narrow(0, 0, k).copy_(std::get<0>(best)[0]);
+        top_ids[s][b].narrow(0, 0, k).copy_(std::get<1>(best)[0]);
+      }
+    }
     if (!adjustments.empty() && !adjust) adjust.emplace(adjustments, B, vocab);
     if (adjust) {
       float* rows = logits.data_ptr<float>();
@@ -500,14 +526,17 @@ std::vector<torch::Tensor> DecoderStack::decode_steps(const torch::Tensor& x, co
       });
     }
     tokens[s].copy_(sample_logit_rows(logits, temperature, top_k, top_p, uniforms[s]));
+    const int64_t* chosen = tokens[s].data_ptr<int64_t>();  // a row of a contiguous [steps, B]
     if (adjust) {
-      const int64_t* chosen = tokens[s].data_ptr<int64_t>();  // a row of a contiguous [steps, B]
       for (int64_t b = 0; b < B; ++b) adjust->advance(b, chosen[b]);
+    }
+    for (int64_t b = 0; reports && b < B; ++b) {
+      if (logprobs[b] >= 0) chosen_logprob[s][b] = raw[b][0][chosen[b]];
     }
     if (!capture.empty()) features.narrow(0, s * B, B).copy_(out[1]);
     if (s + 1 < steps) in = embedding.index_select(0, tokens[s]);
   }
-  return {tokens, features};
+  return {tokens, features, chosen_logprob, top_ids, top_logprobs};
 }
 
 Eagle3Step::Eagle3Step(std::vector<torch::Tensor> fc_weights, std::vector<int64_t> fc_format, torch::Tensor embedding,

@@ -159,7 +159,8 @@ class DecoderStack {
                                           const torch::Tensor& slot_mapping, const torch::Tensor& temperature,
                                           const torch::Tensor& top_k, const torch::Tensor& top_p,
                                           const torch::Tensor& uniforms, const std::vector<int64_t>& capture,
-                                          const std::vector<torch::Tensor>& adjustments);
+                                          const std::vector<torch::Tensor>& adjustments,
+                                          const std::vector<int64_t>& logprobs);
 
  private:
   HeldWeights weights_;  // the layers; projections: the LM head, if any; floats: the final norm

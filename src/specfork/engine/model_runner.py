@@ -14,6 +14,7 @@ from specfork.layers.linear import set_batch_invariant
 from specfork.layers.quantized import QuantizedLinear
 from specfork.models.llama import LlamaForCausalLM
 from specfork.native_kernels import kernels as native_kernels
+from specfork.outputs import TokenLogprob
 
 NATIVE_PARTIAL_BYTES = 64 << 20  # most per-chunk partial results one native attention call keeps
 
@@ -270,12 +271,13 @@ class ModelRunner:
                 and self.native_attention_available)
 
     @torch.inference_mode()
-    def decode_steps(self, seqs, steps: int, draws) -> list[list[int]]:
+    def decode_steps(self, seqs, steps: int, draws) -> tuple[list[list[int]], list[list[TokenLogprob] | None]]:
         """``steps`` tokens for each of ``seqs`` (each with its one uncached token and KV blocks for
         ``steps`` positions), computed by the model's decode steps back to back in one native call,
-        each step's tokens (chosen by ``draws``, a ``sampling.StepDraws``) the next one's input; the
-        caches end as ``steps`` decode steps leave them, and ``features`` holds the captured features
-        of the positions computed, sequence by sequence (``decodes_in_one_call`` must hold)."""
+        each step's tokens (chosen by ``draws``, a ``sampling.StepDraws``) the next one's input, and
+        each sequence's log-probabilities of them where its request asks (else None); the caches
+        end as ``steps`` decode steps leave them, and ``features`` holds the captured features of
+        the positions computed, sequence by sequence (``decodes_in_one_call`` must hold)."""
         starts = [s.num_cached_tokens for s in seqs]
         windows = [[s.token_ids[-1]] + [0] * (steps - 1) for s in seqs]  # the later ids come from the call
         ids, pos, meta = self.prepare(seqs, starts, windows, None, self.deterministic, decode=True)
@@ -285,13 +287,24 @@ class ModelRunner:
         meta.seq_index = torch.arange(batch, dtype=torch.long, device=self.device)
         positions, slots = (t.view(batch, steps).t().contiguous() for t in (pos, meta.slot_mapping))
         first = ids.view(batch, steps)[:, 0]  # each window's first token: the sequence's uncached one
-        tokens, features = self.model.decode_steps(first, positions, self.kv_caches, meta, slots, draws,
-                                                   self.feature_layers)
+        reported = [-1 if s.params.logprobs is None else s.params.logprobs for s in seqs]
+        tokens, features, chosen, top_ids, top_values = self.model.decode_steps(
+            first, positions, self.kv_caches, meta, slots, draws, self.feature_layers,
+            reported if max(reported) >= 0 else None)
         if self.feature_layers:  # step by step -> sequence by sequence, as a pass over the windows gives them
             self.features = features.view(steps, batch, -1).transpose(0, 1).reshape(steps * batch, -1)
         for seq in seqs:
             seq.num_cached_tokens += steps
-        return tokens.t().tolist()
+        tokens = tokens.t().tolist()
+        logprobs = [None] * batch
+        if max(reported) >= 0:
+            chosen, top_ids, top_values = chosen.t().tolist(), top_ids.transpose(0, 1).tolist(), top_values.transpose(0, 1).tolist()
+            for i, top in enumerate(reported):
+                if top >= 0:
+                    logprobs[i] = [TokenLogprob(t, lp, tuple(zip(ids[:top], values[:top], strict=True)))
+                                   for t, lp, ids, values in zip(tokens[i], chosen[i], top_ids[i], top_values[i],
+                                                                 strict=True)]
+        return tokens, logprobs
 
     def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         if len(rows) != hidden.shape[0]:

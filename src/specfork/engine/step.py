@@ -87,9 +87,9 @@ def _logprobs(row: torch.Tensor, token: int, seq: Sequence) -> list[TokenLogprob
 
 def decode_steps_for(batch: ScheduledBatch, limit: int, runner: ModelRunner, max_model_len: int | None) -> int:
     """How many decode steps ``batch`` runs in one native call (at most ``limit``): 1 unless it is a
-    decode batch whose requests report no log-probabilities and adjust their logits, if at all, in
-    ways the call takes along (penalties, logit bias, min_p, min_tokens: not a grammar, allowed ids or
-    bad words), and the runner can; never past a
+    decode batch whose requests adjust their logits, if at all, in ways the call takes along
+    (penalties, logit bias, min_p, min_tokens: not a grammar, allowed ids or bad words), and the
+    runner can (log-probabilities come back with the tokens); never past a
     request's max_tokens or the model's length (a request that stops earlier, at EOS or a stop
     string, takes the tokens up to it and the rest are dropped, as a speculative round's are)."""
     if limit == 1 or batch.is_prefill or any(n != 1 for n in batch.num_new_tokens):
@@ -99,7 +99,7 @@ def decode_steps_for(batch: ScheduledBatch, limit: int, runner: ModelRunner, max
     steps = limit
     for seq in batch.seqs:
         params = seq.params
-        if params.logprobs is not None or seq.history().adjusts_in_python:
+        if seq.history().adjusts_in_python:
             return 1
         steps = min(steps, params.max_tokens - seq.num_output_tokens)
         if max_model_len is not None:
@@ -110,17 +110,17 @@ def decode_steps_for(batch: ScheduledBatch, limit: int, runner: ModelRunner, max
 def run_decode_steps(runner: ModelRunner, seqs: list[Sequence], steps: int) -> dict[Sequence, NewTokens]:
     """``steps`` tokens for each of ``seqs`` from one native call (``decode_steps_for`` allowed it),
     each sampled request's draws taken from its generator as that many steps would take them, each
-    request's logit adjustments made at every step as ``adjust_logits_`` makes them."""
+    request's logit adjustments made at every step as ``adjust_logits_`` makes them, and its
+    log-probabilities taken as one step a call takes them where it asks."""
     draws = step_draws([s.params for s in seqs], [s.generator for s in seqs], steps, runner.device,
                        [s.history() for s in seqs])
-    tokens = runner.decode_steps(seqs, steps, draws)
-    return {s: NewTokens(ids) for s, ids in zip(seqs, tokens, strict=True)}
+    tokens, logprobs = runner.decode_steps(seqs, steps, draws)
+    return {s: NewTokens(ids, lps) for s, ids, lps in zip(seqs, tokens, logprobs, strict=True)}
 
 
 class AutoregressiveStep:
     """Plain decoding: one forward pass, one new token per sequence; or, where the runner can and
-    no sequence of a decode batch has log-probabilities to report or logits to adjust in Python
-    (``decode_steps_for``), up to
+    no sequence of a decode batch has logits to adjust in Python (``decode_steps_for``), up to
     ``decode_steps`` decode steps back to back in one native call, each sequence taking their tokens
     (the same tokens, greedy or drawn with the request's generator, without Python between the
     steps: ``ModelRunner.decode_steps``)."""

@@ -96,19 +96,20 @@ class FusedDecoderStack:
 
     def decode_steps(self, x: torch.Tensor, embedding: torch.Tensor, rope: RopeTables, caches: list[torch.Tensor],
                      meta: AttentionMetadata, positions: torch.Tensor, slots: torch.Tensor, draws,
-                     capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+                     capture: tuple[int, ...] = (), logprobs: list[int] | None = None) -> list[torch.Tensor]:
         """The tokens [steps, B] of ``steps`` decode steps run back to back in one call: ``x`` [B, H]
         the first step's input, ``positions`` and ``slots`` [steps, B] each step's rows (``meta``'s
         block tables cover the last), each step's tokens (``draws``, a ``sampling.StepDraws``: the
         argmax of a greedy row, a sampled row's draw, after the row's logit adjustments) looked up in ``embedding`` [V, H] for the next;
         and the inputs of the ``capture`` layers of every step's rows, step by step [steps * B,
-        |capture| H] (empty without ``capture``)."""
+        |capture| H] (empty without ``capture``); with ``logprobs`` (per row the alternatives it
+        reports, -1: none), each step's log-probability of each row's token [steps, B] and the ids
+        and log-probabilities of its alternatives [steps, B, the most a row wants] (empty without)."""
         cos, sin = rope.table_cos, rope.table_sin_signed
-        tokens, features = self._stack.decode_steps(
+        return self._stack.decode_steps(
             x.contiguous(), embedding, caches, cos, sin, meta.block_tables, meta.seq_index, positions.contiguous(),
             slots.contiguous(), draws.temperature, draws.top_k, draws.top_p, draws.uniforms, list(capture),
-            list(draws.adjustments))
-        return tokens, features
+            list(draws.adjustments), logprobs or [])
 
 
 def fuse_decoder_stack(layers: list[FusedDecodeLayer | None], final_norm: RMSNorm, lm_head) -> FusedDecoderStack | None:

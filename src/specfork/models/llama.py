@@ -169,17 +169,19 @@ class LlamaForCausalLM(nn.Module):
 
     def decode_steps(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                      meta: AttentionMetadata, slots: torch.Tensor, draws,
-                     capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+                     capture: tuple[int, ...] = (), logprobs: list[int] | None = None) -> list[torch.Tensor]:
         """The tokens [steps, B] of ``steps`` decode steps of B sequences in one native call, each
         step's tokens the next one's input: ``input_ids`` [B] the first step's tokens, ``positions``
         and ``slots`` [steps, B] each step's positions and cache slots (``meta`` the last step's
         block tables and each row's sequence), ``draws`` (``sampling.StepDraws``) how each row's
-        token is chosen; and the inputs of the ``capture`` layers of every step's rows, step by step
-        (as ``forward`` returns them). The same tokens, features and cache contents as ``steps``
-        forwards with the sampler between them (``decodes_in_one_call`` must hold)."""
+        token is chosen; the inputs of the ``capture`` layers of every step's rows, step by step
+        (as ``forward`` returns them); and, for the rows ``logprobs`` names (the alternatives each
+        reports, -1: none), their log-probabilities (``FusedDecoderStack.decode_steps``). The same
+        tokens, features, log-probabilities and cache contents as ``steps`` forwards with the
+        sampler between them (``decodes_in_one_call`` must hold)."""
         x = self.embed_tokens(input_ids)
         return self.fused_stack.decode_steps(x, self.embed_tokens.weight, self.rotary.at(positions), kv_caches, meta,
-                                             positions, slots, draws, capture)
+                                             positions, slots, draws, capture, logprobs)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

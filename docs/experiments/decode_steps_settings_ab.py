@@ -1,10 +1,10 @@
-"""What logit adjustments cost AR, with the decode steps taking them into the native call
-(``--decode-steps 4``) and one step a call (``--decode-steps 1``, as every adjusted request decoded
-until 2026-12-08), timed in one process: the two engines and the settings alternating request by
-request (the order reversed every other request), each request seeded, every output of the two
-engines compared.
+"""What logit adjustments and log-probabilities cost AR, with the decode steps taking them into the
+native call (``--decode-steps 4``) and one step a call (``--decode-steps 1``, as every such request
+decoded until 2026-12-08), timed in one process: the two engines and the settings alternating
+request by request (the order reversed every other request), each request seeded, every output of
+the two engines compared (tokens and log-probabilities).
 
-    python docs/experiments/penalties_decode_steps_ab.py [PROMPTS_PER_SET] [TEMPERATURE]
+    python docs/experiments/decode_steps_settings_ab.py [PROMPTS_PER_SET] [TEMPERATURE]
 
 Defaults: 3 HumanEval and 3 ShareGPT eval prompts, 256 tokens each (EOS ignored), temperature 1
 with top-p 0.95. Prints each setting's median tok/s on each engine and its ratio to the
@@ -25,6 +25,7 @@ SETTINGS = {
     "repetition_penalty 1.1": {"repetition_penalty": 1.1},
     "frequency 0.3, presence 0.3": {"frequency_penalty": 0.3, "presence_penalty": 0.3},
     "min_p 0.05": {"min_p": 0.05},
+    "logprobs 5": {"logprobs": 5},
 }
 
 
@@ -44,7 +45,7 @@ def main() -> None:
             start = time.perf_counter()
             out = engines[steps].generate([prompt], params)[0]
             rates[(name, steps)].append(len(out.token_ids) / (time.perf_counter() - start))
-            outputs[(name, steps)] = out.token_ids
+            outputs[(name, steps)] = out.token_ids, out.logprobs
         for name in SETTINGS:
             assert outputs[(name, 4)] == outputs[(name, 1)], (name, i)
     base = statistics.median(rates[("none", 4)])
