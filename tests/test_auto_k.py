@@ -307,6 +307,43 @@ def test_plain_rounds_in_one_call_leave_k_auto_as_rounds_one_at_a_time_leave_it(
     assert speculating.current.k > 0 and speculating.plain_rounds() == REPLAN_EVERY
 
 
+def test_a_plain_probe_while_speculating_runs_as_plain_decoding_would_and_keeps_the_cadence():
+    """Speculating, k auto's plain probe runs several plain rounds in one call (a caller taking up
+    to 6), priced at their per-round time, never past a re-plan: the probes still come every
+    PROBE_EVERY rounds, alternating with k + 1; and a call that was one slow moment is one stall,
+    set aside as a whole (its equal shares would have agreed with each other)."""
+    cheap = StepCosts(draft_s=0.0001, verify_s=tuple(0.010 + 0.002 * m for m in range(9)))
+    auto, calls = AutoK(cheap), []
+
+    def call(slowdown: float = 1.0) -> tuple[int, int, int]:
+        ks = auto.ks_for_round()
+        start, since_plan = auto.rounds, auto._since_plan
+        n = min(6, auto.plain_rounds()) if not any(ks) else 1
+        assert since_plan + n <= REPLAN_EVERY  # a call never runs past a re-plan
+        if any(ks):
+            auto.observe(ks[0], min(ks[0], 2))  # runs of 2: k auto speculates below its maximum
+        plain_pace = 0.9 if not any(ks) else 1.0
+        auto.end_round(ks, n * modelled_round_s(cheap, max(ks)) * plain_pace * slowdown, rounds=n)
+        return start, max(ks), n
+
+    while auto.rounds < 8 * PROBE_EVERY:
+        calls.append(call())
+    assert 0 < auto.current.k < auto.k_max
+    probes = [(k, n) for start, k, n in calls if start % PROBE_EVERY == FIRST_PROBE]
+    plain = [n for k, n in probes if k == 0]
+    assert len(plain) >= 3 and len(probes) - len(plain) >= 3  # alternating with k + 1, every PROBE_EVERY rounds
+    assert all(n > 1 for n in plain)  # priced as plain decoding runs: several steps a call
+    assert auto.rounds_by_k["k=0"] == sum(plain)
+    assert auto.overhead(0) == pytest.approx(0.9)  # per round, not per call
+    # a plain probe 10x slower than modelled, once: set aside whole, k = 0's price unchanged
+    before = auto.overhead(0)
+    for _ in range(2 * PROBE_EVERY):
+        start, k, n = call(slowdown=10.0 if auto.rounds % PROBE_EVERY == FIRST_PROBE - 1 else 1.0)
+        if k == 0:
+            break
+    assert k == 0 and n > 1 and auto.overhead(0) == before
+
+
 def test_probes_of_a_longer_window_correct_step_costs_measured_too_high():
     """The start-up measurement priced windows of 3 or more rows 1.6x too high (a noisy moment),
     so k auto starts at k = 1, and every k it does not run borrows k = 1's correction. Real rounds

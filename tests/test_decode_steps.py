@@ -1,7 +1,8 @@
 """Several decode steps in one native call (``--decode-steps``): the same tokens as one step at a
 time, greedy or sampled (a seeded request's draws too), with penalties, logit bias, min_p and
-min_tokens applied inside the call; taken only where nothing is reported or adjusted in Python (a
-grammar, allowed ids, bad words), bounded by max_tokens and the model's length."""
+min_tokens applied and log-probabilities taken inside the call; taken only where nothing is
+adjusted in Python (a grammar, allowed ids, bad words), bounded by max_tokens and the model's
+length."""
 
 from __future__ import annotations
 

@@ -287,7 +287,8 @@ class ModelRunner:
         meta.seq_index = torch.arange(batch, dtype=torch.long, device=self.device)
         positions, slots = (t.view(batch, steps).t().contiguous() for t in (pos, meta.slot_mapping))
         first = ids.view(batch, steps)[:, 0]  # each window's first token: the sequence's uncached one
-        reported = [-1 if s.params.logprobs is None else s.params.logprobs for s in seqs]
+        vocab = self.model.lm_head.out_features  # alternatives past the vocabulary: none, as token_logprobs gives
+        reported = [-1 if s.params.logprobs is None else min(s.params.logprobs, vocab) for s in seqs]
         tokens, features, chosen, top_ids, top_values = self.model.decode_steps(
             first, positions, self.kv_caches, meta, slots, draws, self.feature_layers,
             reported if max(reported) >= 0 else None)
@@ -298,7 +299,8 @@ class ModelRunner:
         tokens = tokens.t().tolist()
         logprobs = [None] * batch
         if max(reported) >= 0:
-            chosen, top_ids, top_values = chosen.t().tolist(), top_ids.transpose(0, 1).tolist(), top_values.transpose(0, 1).tolist()
+            chosen, top_ids, top_values = (chosen.t().tolist(), top_ids.transpose(0, 1).tolist(),
+                                           top_values.transpose(0, 1).tolist())
             for i, top in enumerate(reported):
                 if top >= 0:
                     logprobs[i] = [TokenLogprob(t, lp, tuple(zip(ids[:top], values[:top], strict=True)))

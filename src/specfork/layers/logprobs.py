@@ -14,6 +14,8 @@ def token_logprobs(
     top: int,  # alternatives wanted per position (0: none)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(chosen [N], top_ids [N, top], top_logprobs [N, top]), all computed in float32.
+    (``DecoderStack::decode_steps`` in ``csrc/decoder_layer.cpp`` runs these same ops on each
+    reporting row inside its call: change both together; tests/test_decode_steps.py compares them.)
 
     Example: logits [[0, ln 3]] and token 1 give chosen [ln(3/4)]; with top=2 the alternatives
     are ids [[1, 0]] with log-probabilities [[ln(3/4), ln(1/4)]].

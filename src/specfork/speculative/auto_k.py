@@ -288,13 +288,13 @@ class AutoK:
         """How many plain rounds (every sequence at k = 0) may run back to back from the current
         one, as one call of several decode steps, before a round that may choose otherwise: the
         next probe, or the round after the next re-plan. While speculating, a plain probe runs as
-        many as a call at k = 0 would (a re-plan's worth at most; the caller caps them at its
-        decode steps), so that plain decoding is priced at the rate it would run at: probed one
+        many as a call at k = 0 would (up to the next re-plan; the caller caps them at its decode
+        steps), so that plain decoding is priced at the rate it would run at: probed one
         step a call, it was priced with a call's fixed costs per token (at temperature 1 a fifth
         of a step), and k auto kept n-gram SD speculating at 0.88x AR where plain decoding was
         faster (docs/decisions.md)."""
         if self.current.k > 0:
-            return REPLAN_EVERY
+            return max(1, REPLAN_EVERY - self._since_plan)
         to_probe = (FIRST_PROBE - self.rounds) % PROBE_EVERY or PROBE_EVERY  # the next probe's round, ahead
         return max(1, min(to_probe, REPLAN_EVERY - self._since_plan))
 
@@ -302,17 +302,21 @@ class AutoK:
         """A round whose sequences proposed up to ``ks`` tokens each took ``seconds`` of wall
         time (a round mixing several k, a probe in a batch, is priced by no single k); with
         ``rounds`` > 1, that many plain rounds ran in one call (``plain_rounds`` allowed them) and
-        count as one step a call counts them, each taking an equal share of ``seconds``."""
+        count as one step a call counts them, each taking an equal share of ``seconds``; whether
+        the call was a stall is judged once, for all of them (its shares would agree with each
+        other, and so pass the stall's "next round agrees" as a slowdown that lasts)."""
+        k, batch = max(ks), len(ks)
+        ratio = seconds / rounds / max(modelled_round_s(self.costs, k, batch), 1e-9)  # measured / modelled
+        stall = min(ks) == k and self._stall(k, batch, ratio)
         for i in range(rounds):
             if i:
                 self.rounds += 1
-            self._end_one_round(ks, seconds / rounds)
+            self._end_one_round(ks, ratio, stall)
 
-    def _end_one_round(self, ks: list[int], seconds: float) -> None:
+    def _end_one_round(self, ks: list[int], ratio: float, stall: bool) -> None:
         k, batch = max(ks), len(ks)
         self.rounds_by_k[f"k={k}" if min(ks) == k else "probe"] += 1
-        ratio = seconds / max(modelled_round_s(self.costs, k, batch), 1e-9)  # measured / modelled
-        if min(ks) == k and not self._stall(k, batch, ratio):
+        if min(ks) == k and not stall:
             # An old measurement counts less the older it is (the shared machine's pace moves): one
             # round ago it keeps 1 - OVERHEAD_WEIGHT, a probe's last, PROBE_EVERY rounds ago, ~0.
             old = self._overhead.get((batch, k))
